@@ -1,0 +1,83 @@
+"""Shared benchmark plumbing: environment facts, timing, and result files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict[str, str]:
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git("rev-parse", "--short", "HEAD") + ("-dirty" if _git("status", "--porcelain") else ""),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": _cpu_model(),
+        "cpu_threads": str(torch.get_num_threads()),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = str(torch.version.cuda or torch.version.hip)
+    try:
+        import cupy
+
+        env["cupy"] = cupy.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def median_ms(fn: Callable[[], object], *, warmup: int = 3, repeat: int = 15, sync: Callable[[], None] = lambda: None):
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def write_results(name: str, env: dict[str, str], rows: list[dict], table: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tag = env.get("gpu", "cpu").replace(" ", "-")
+    path = RESULTS / f"{name}-{tag}-{env['date'][:10]}.json"
+    path.write_text(json.dumps({"environment": env, "rows": rows, "table": table}, indent=2) + "\n")
+    return path
+
+
+def markdown_table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, check=True, cwd=RESULTS.parent.parent
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -1,0 +1,31 @@
+"""All of pdspec's sampling math (DESIGN.md §2)."""
+
+from sampling.d2t import DraftToTargetMap, map_draft_probs_to_target
+from sampling.params import SamplingParams, SamplingTensors
+from sampling.proposal import DraftLaw, DraftSample, propose, propose_point_mass, propose_stochastic
+from sampling.rejection import RejectionSampler, rejection_sample, resolve_backend
+from sampling.rng import RequestRng, batch_uniforms
+from sampling.target_sampler import TargetSample, sample_target
+from sampling.verifier import StepStats, Verifier, VerifyResult
+
+__all__ = [
+    "DraftLaw",
+    "DraftSample",
+    "DraftToTargetMap",
+    "RejectionSampler",
+    "RequestRng",
+    "SamplingParams",
+    "SamplingTensors",
+    "StepStats",
+    "TargetSample",
+    "Verifier",
+    "VerifyResult",
+    "batch_uniforms",
+    "map_draft_probs_to_target",
+    "propose",
+    "propose_point_mass",
+    "propose_stochastic",
+    "rejection_sample",
+    "resolve_backend",
+    "sample_target",
+]

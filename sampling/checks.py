@@ -1,0 +1,100 @@
+"""Validation of `rejection_sample` inputs, done before any kernel launch.
+
+Structural checks (type, rank, dtype, shape, device) never touch tensor values and
+always run. Value checks (ids in [0, V), uniforms in [0, 1)) need one device sync and
+can be skipped by callers that validated at their boundary; the kernel still clamps
+ids, so skipping them can give wrong tokens for bad ids but never an out-of-bounds access.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class Dims:
+    batch: int
+    num_draft: int  # K
+    vocab: int
+
+
+def check_rejection_inputs(
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    target_token_ids: torch.Tensor,
+    uniform_samples: torch.Tensor,
+    do_sample: torch.Tensor,
+    *,
+    check_values: bool = True,
+) -> Dims:
+    """Raise ValueError naming the argument, expected and actual value; return B, K, V."""
+    _check_tensor("target_probs", target_probs, rank=3, dtypes=(torch.float32,))
+    batch, k_plus_1, vocab = target_probs.shape
+    if k_plus_1 < 1:
+        raise ValueError(f"target_probs: expected shape [B, K+1, V] with K+1 >= 1, got {tuple(target_probs.shape)}")
+    if vocab < 1:
+        raise ValueError(f"target_probs: expected vocab size V >= 1, got shape {tuple(target_probs.shape)}")
+    k = k_plus_1 - 1
+    device = target_probs.device
+    _check_tensor("draft_token_ids", draft_token_ids, rank=2, dtypes=_INT_DTYPES, shape=(batch, k), device=device)
+    if draft_probs is not None:
+        _check_tensor(
+            "draft_probs", draft_probs, rank=3, dtypes=(torch.float32,), shape=(batch, k, vocab), device=device
+        )
+    _check_tensor("target_token_ids", target_token_ids, rank=2, dtypes=_INT_DTYPES, shape=(batch, k + 1), device=device)
+    _check_tensor(
+        "uniform_samples", uniform_samples, rank=2, dtypes=(torch.float32,), shape=(batch, k + 1), device=device
+    )
+    _check_tensor("do_sample", do_sample, rank=1, dtypes=(torch.bool,), shape=(batch,), device=device)
+    if check_values and batch > 0:
+        _check_values(draft_token_ids, target_token_ids, uniform_samples, vocab)
+    return Dims(batch, k, vocab)
+
+
+def _check_tensor(
+    name: str,
+    tensor: object,
+    *,
+    rank: int,
+    dtypes: tuple[torch.dtype, ...],
+    shape: tuple[int, ...] | None = None,
+    device: torch.device | None = None,
+) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != rank:
+        raise ValueError(f"{name}: expected rank {rank}, got rank {tensor.dim()} (shape {tuple(tensor.shape)})")
+    if tensor.dtype not in dtypes:
+        expected = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name}: expected dtype {expected}, got {tensor.dtype}")
+    if shape is not None and tuple(tensor.shape) != shape:
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(tensor.shape)}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{name}: expected device {device} (that of target_probs), got {tensor.device}")
+
+
+def _check_values(
+    draft_token_ids: torch.Tensor, target_token_ids: torch.Tensor, uniform_samples: torch.Tensor, vocab: int
+) -> None:
+    bad = torch.stack(
+        [
+            ((draft_token_ids < 0) | (draft_token_ids >= vocab)).any(),
+            ((target_token_ids < 0) | (target_token_ids >= vocab)).any(),
+            ~((uniform_samples >= 0) & (uniform_samples < 1)).all(),
+        ]
+    ).tolist()  # one device sync for all three
+    for is_bad, name, tensor, bounds in (
+        (bad[0], "draft_token_ids", draft_token_ids, f"[0, {vocab})"),
+        (bad[1], "target_token_ids", target_token_ids, f"[0, {vocab})"),
+    ):
+        if is_bad:
+            outside = tensor[(tensor < 0) | (tensor >= vocab)]
+            raise ValueError(f"{name}: expected ids in {bounds}, got {int(outside[0])}")
+    if bad[2]:
+        outside = uniform_samples[~((uniform_samples >= 0) & (uniform_samples < 1))]
+        raise ValueError(f"uniform_samples: expected values in [0, 1), got {float(outside[0])}")

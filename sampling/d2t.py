@@ -1,0 +1,112 @@
+"""Draft-vocabulary -> target-vocabulary mapping.
+
+`d2t[j]` is the absolute target id of draft id j. Distributions map by scatter-add, so a
+many-to-one map keeps total mass. The scatter is split into "levels": level l holds the
+l-th draft id of every target id, so within a level the target ids are distinct and the
+adds never collide. The sum order is therefore fixed (deterministic on every device,
+no atomics) and an injective map is a single gather-free copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class _Level:
+    draft_ids: torch.Tensor  # [n] int64
+    target_ids: torch.Tensor  # [n] int64, distinct
+
+
+class DraftToTargetMap:
+    """A validated d2t map; build once per model pair, then map on the hot path."""
+
+    def __init__(self, d2t: torch.Tensor, target_vocab_size: int) -> None:
+        _validate_map(d2t, target_vocab_size)
+        self.d2t = d2t.to(torch.int64).contiguous()  # [Vd]
+        self.draft_vocab_size = int(d2t.shape[0])
+        self.target_vocab_size = int(target_vocab_size)
+        self.is_identity = self.draft_vocab_size == self.target_vocab_size and bool(
+            torch.equal(self.d2t.cpu(), torch.arange(self.draft_vocab_size))
+        )
+        self._levels = _split_into_levels(self.d2t)
+        self.is_injective = len(self._levels) <= 1
+
+    @classmethod
+    def identity(cls, vocab_size: int) -> DraftToTargetMap:
+        return cls(torch.arange(vocab_size), vocab_size)
+
+    def to(self, device: torch.device | str) -> DraftToTargetMap:
+        moved = object.__new__(DraftToTargetMap)
+        moved.__dict__.update(self.__dict__)
+        moved.d2t = self.d2t.to(device)
+        moved._levels = [_Level(lv.draft_ids.to(device), lv.target_ids.to(device)) for lv in self._levels]
+        return moved
+
+    def map_tokens(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids (any shape, integer) -> target ids (same shape, int64)."""
+        return self.d2t[draft_ids.long()]
+
+    def map_probs(self, draft_probs: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] float32 -> [..., Vt] float32; the identity map returns its input."""
+        if draft_probs.shape[-1] != self.draft_vocab_size:
+            raise ValueError(
+                f"draft_probs: expected last dim {self.draft_vocab_size} (draft vocab size), "
+                f"got shape {tuple(draft_probs.shape)}"
+            )
+        if self.is_identity:
+            return draft_probs
+        out = draft_probs.new_zeros(*draft_probs.shape[:-1], self.target_vocab_size)
+        for level in self._levels:
+            out[..., level.target_ids] += draft_probs[..., level.draft_ids]
+        return out
+
+
+def map_draft_probs_to_target(
+    draft_probs: torch.Tensor, d2t: torch.Tensor | DraftToTargetMap, target_vocab_size: int
+) -> torch.Tensor:
+    """[..., Vd] -> [..., Vt] by scatter-add along d2t; validates a raw map first."""
+    if isinstance(d2t, DraftToTargetMap):
+        if d2t.target_vocab_size != target_vocab_size:
+            raise ValueError(
+                f"target_vocab_size: expected {d2t.target_vocab_size} (the map's), got {target_vocab_size}"
+            )
+        mapping = d2t
+    else:
+        mapping = DraftToTargetMap(d2t, target_vocab_size).to(draft_probs.device)
+    return mapping.map_probs(draft_probs)
+
+
+def _validate_map(d2t: torch.Tensor, target_vocab_size: int) -> None:
+    if not isinstance(d2t, torch.Tensor):
+        raise ValueError(f"d2t: expected a torch.Tensor, got {type(d2t).__name__}")
+    if d2t.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"d2t: expected dtype int64 (or int32), got {d2t.dtype}")
+    if d2t.dim() != 1:
+        raise ValueError(f"d2t: expected a 1-D tensor, got shape {tuple(d2t.shape)}")
+    if isinstance(target_vocab_size, bool) or not isinstance(target_vocab_size, int) or target_vocab_size < 1:
+        raise ValueError(f"target_vocab_size: expected an int >= 1, got {target_vocab_size!r}")
+    if d2t.numel() == 0:
+        raise ValueError("d2t: expected at least one draft id, got length 0")
+    lo, hi = int(d2t.min()), int(d2t.max())
+    if lo < 0 or hi >= target_vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"d2t: expected values in [0, {target_vocab_size}), got {bad}")
+
+
+def _split_into_levels(d2t: torch.Tensor) -> list[_Level]:
+    """Group draft ids so each level maps to distinct target ids (see module doc)."""
+    d2t_cpu = d2t.cpu()
+    order = torch.argsort(d2t_cpu, stable=True)  # draft ids grouped by target id
+    sorted_targets = d2t_cpu[order]
+    group_start = torch.ones_like(sorted_targets, dtype=torch.bool)
+    group_start[1:] = sorted_targets[1:] != sorted_targets[:-1]
+    start_index = torch.cummax(torch.where(group_start, torch.arange(len(order)), 0), 0).values
+    rank_in_group = torch.arange(len(order)) - start_index  # 0 for the first draft id of a target
+    levels = []
+    for rank in range(int(rank_in_group.max()) + 1):
+        pick = rank_in_group == rank
+        levels.append(_Level(order[pick].to(d2t.device), sorted_targets[pick].to(d2t.device)))
+    return levels

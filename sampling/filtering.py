@@ -1,0 +1,44 @@
+"""Logits -> the exact normalized distribution a sampler draws from.
+
+Temperature, then top-k (ties with the k-th logit are kept, as in HF and vLLM), then
+top-p over what top-k left (the smallest descending prefix whose mass reaches top_p;
+ties broken by token id so the result is deterministic), then renormalization.
+Greedy rows get a point mass at the argmax (lowest id among equal maxima).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sampling.params import SamplingTensors
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """[N, V] logits (any float dtype) -> [N, V] float32 probabilities, rows sum to 1."""
+    logits = logits.float() / params.temperature[:, None]  # [N, V]
+    needs_filter = (params.top_k > 0) | (params.top_p < 1)
+    if bool(needs_filter.any()):
+        logits = logits.masked_fill(~_kept_mask(logits, params), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.where(params.greedy[:, None], point_mass(logits.argmax(-1), logits.shape[-1]), probs)
+
+
+def point_mass(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N] ids -> [N, V] float32 one-hot rows."""
+    out = torch.zeros(token_ids.shape[0], vocab_size, dtype=torch.float32, device=token_ids.device)
+    return out.scatter_(1, token_ids[:, None].long(), 1.0)
+
+
+def _kept_mask(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """[N, V] bool: tokens that survive top-k and top-p."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [N, V]
+    k = params.top_k.clamp(max=vocab)
+    kth = sorted_logits.gather(1, (k - 1).clamp(min=0)[:, None])  # [N, 1]
+    keep_sorted = (k[:, None] == 0) | (sorted_logits >= kth)
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+    mass_before = sorted_probs.double().cumsum(-1) - sorted_probs.double()  # exclusive prefix
+    top_p = params.top_p.double()[:, None]
+    keep_sorted &= (top_p >= 1) | (mass_before < top_p)
+    keep_sorted[:, 0] = True  # the most likely token always survives
+    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)

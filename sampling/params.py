@@ -1,0 +1,78 @@
+"""Per-request sampling parameters and their batched tensor form.
+
+Proto3 defaults mean "disabled": top_k = 0 keeps every token, top_p of 0 or 1 keeps
+every token. A row is greedy iff do_sample is false, temperature == 0 or top_k == 1
+(DESIGN.md §2); greedy rows sample the argmax and their distribution is a point mass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: expected a finite value >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: expected >= 0 (0 disables), got {self.top_k}")
+        if not 0.0 <= self.top_p <= 1.0:  # also rejects NaN
+            raise ValueError(f"top_p: expected a value in [0, 1] (0 or 1 disables), got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed: expected an unsigned 64-bit integer, got {self.seed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0 or self.top_k == 1
+
+    @property
+    def effective_top_p(self) -> float:
+        return 1.0 if self.top_p == 0 else self.top_p
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row parameters of a batch, ready for vectorized filtering."""
+
+    greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor  # [B] float32, 1 on greedy rows (never divided by 0)
+    top_k: torch.Tensor  # [B] int64, 0 = disabled
+    top_p: torch.Tensor  # [B] float32, 1 = disabled
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:
+        greedy = [p.is_greedy for p in params]
+        return cls(
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=torch.tensor(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=False)],
+                dtype=torch.float32,
+                device=device,
+            ),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.effective_top_p for p in params], dtype=torch.float32, device=device),
+        )
+
+    @property
+    def do_sample(self) -> torch.Tensor:  # [B] bool
+        return ~self.greedy
+
+    def repeat_rows(self, repeats: int) -> SamplingTensors:
+        """Each row repeated `repeats` times, for [B, K+1, V] flattened to [B*(K+1), V]."""
+        return SamplingTensors(
+            greedy=self.greedy.repeat_interleave(repeats),
+            temperature=self.temperature.repeat_interleave(repeats),
+            top_k=self.top_k.repeat_interleave(repeats),
+            top_p=self.top_p.repeat_interleave(repeats),
+        )

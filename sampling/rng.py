@@ -1,0 +1,32 @@
+"""Per-request random streams.
+
+Each request owns a CPU `torch.Generator`; a step draws its uniforms from it in a fixed
+order, so a seeded request yields the same tokens alone or anywhere in a batch of any
+size, on any device. Uniforms are drawn on the CPU (a handful per row per step) and
+moved to the batch's device once.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+import torch
+
+
+class RequestRng:
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = secrets.randbits(63) if seed is None else seed
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(self.seed)
+
+    def uniforms(self, n: int) -> torch.Tensor:
+        """[n] float32 in [0, 1)."""
+        return torch.rand(n, generator=self._generator, dtype=torch.float32)
+
+
+def batch_uniforms(rngs: Sequence[RequestRng], n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, n] float32: row b is the next n uniforms of rngs[b]."""
+    if not rngs:
+        return torch.empty(0, n, dtype=torch.float32, device=device)
+    return torch.stack([rng.uniforms(n) for rng in rngs]).to(device, non_blocking=True)

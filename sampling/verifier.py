@@ -1,0 +1,82 @@
+"""One speculative verification step over a batch with mixed sampling parameters.
+
+Glues the d2t map, the target sampler, the per-request RNG and the rejection sampler.
+Per row and step the request's generator yields 2*(K+1) uniforms in a fixed order:
+K+1 for the target sampler, then K+1 for rejection sampling, so a seeded request gets
+the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sampling.d2t import DraftToTargetMap
+from sampling.params import SamplingParams, SamplingTensors
+from sampling.rejection import Backend, RejectionSampler
+from sampling.rng import RequestRng, batch_uniforms
+from sampling.target_sampler import sample_target
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Per-row counts for metrics. accepted_tokens counts accepted DRAFT tokens only."""
+
+    do_sample: torch.Tensor  # [B] bool, effective mode (False on greedy rows)
+    draft_tokens: torch.Tensor  # [B] int64, K for every row
+    accepted_tokens: torch.Tensor  # [B] int64, 0..K
+    accepted_per_position: torch.Tensor  # [B, K] bool
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    output_token_ids: torch.Tensor  # [B, K+1] int32, -1 after the last emitted token
+    accepted_token_num: torch.Tensor  # [B] int32, emitted tokens per row (1..K+1)
+    stats: StepStats
+
+    def emitted(self, row: int) -> list[int]:
+        """The tokens row `row` emits this step, in order."""
+        return self.output_token_ids[row, : int(self.accepted_token_num[row])].tolist()
+
+
+class Verifier:
+    """Verifies K drafts per row against the target's K+1 logit rows."""
+
+    def __init__(self, d2t_map: DraftToTargetMap, backend: Backend = "auto", device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.d2t_map = d2t_map.to(self.device)
+        self.sampler = RejectionSampler(backend, self.device)
+
+    def verify(
+        self,
+        draft_token_ids: torch.Tensor,  # [B, K] int, TARGET-vocab ids
+        draft_probs: torch.Tensor | None,  # [B, K, Vd] float32 in DRAFT space, None = point mass
+        target_logits: torch.Tensor,  # [B, K+1, Vt]
+        params: Sequence[SamplingParams],
+        rngs: Sequence[RequestRng],
+    ) -> VerifyResult:
+        batch, k = draft_token_ids.shape
+        if len(params) != batch or len(rngs) != batch:
+            raise ValueError(f"params/rngs: expected {batch} entries each, got {len(params)} and {len(rngs)}")
+        rows = SamplingTensors.from_params(params, self.device)
+        uniforms = batch_uniforms(rngs, 2 * (k + 1), self.device)  # [B, 2(K+1)]
+        target = sample_target(target_logits, rows, uniforms[:, : k + 1])
+        mapped_probs = None if draft_probs is None else self.d2t_map.map_probs(draft_probs.float())
+        output, emitted = self.sampler(
+            draft_token_ids.to(self.device),
+            mapped_probs,
+            target.probs,
+            target.token_ids,
+            uniforms[:, k + 1 :].contiguous(),
+            rows.do_sample,
+        )
+        accepted = emitted.long() - 1
+        stats = StepStats(
+            do_sample=rows.do_sample,
+            draft_tokens=torch.full((batch,), k, dtype=torch.int64, device=self.device),
+            accepted_tokens=accepted,
+            accepted_per_position=torch.arange(k, device=self.device) < accepted[:, None],
+        )
+        return VerifyResult(output, emitted, stats)

@@ -1,0 +1,89 @@
+"""Shared test helpers: random rejection-sampling inputs, the biased sampler, chi-square."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy import stats
+
+from sampling.reference import acceptance_mask, emit_tokens
+
+ALPHA = 1e-6
+
+
+def random_inputs(
+    batch: int,
+    k: int,
+    vocab: int,
+    *,
+    seed: int,
+    dense: bool = True,
+    device: str = "cpu",
+    sharpness: float = 3.0,
+    greedy_fraction: float = 0.3,
+):
+    """Well-formed inputs: q = softmax(sharpness*randn), p a noisy copy, ids drawn from them."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = sharpness * torch.randn(batch, k + 1, vocab, generator=gen)
+    target_probs = torch.softmax(logits, -1)
+    draft_probs = torch.softmax(logits[:, :k] + torch.randn(batch, k, vocab, generator=gen), -1)
+    flat_p = draft_probs.reshape(-1, vocab)
+    flat_q = target_probs.reshape(-1, vocab)
+    draft_ids = (
+        torch.multinomial(flat_p, 1, generator=gen).view(batch, k)
+        if batch * k
+        else torch.zeros(batch, k, dtype=torch.int64)
+    )
+    target_ids = (
+        torch.multinomial(flat_q, 1, generator=gen).view(batch, k + 1)
+        if batch
+        else torch.zeros(0, k + 1, dtype=torch.int64)
+    )
+    if not dense and batch * k:
+        draft_ids = flat_p.argmax(-1).view(batch, k)
+    uniforms = torch.rand(batch, k + 1, generator=gen)
+    do_sample = torch.rand(batch, generator=gen) >= greedy_fraction
+    args = (draft_ids, draft_probs if dense else None, target_probs, target_ids, uniforms, do_sample)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def biased_rejection_sample(draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample):
+    """A WRONG sampler: equal draft/target ids bypass the u*p < q test on stochastic rows.
+
+    Kept so the statistical tests prove they can detect a biased sampler.
+    """
+    accepted = acceptance_mask(draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample)
+    k = draft_token_ids.shape[1]
+    accepted |= do_sample[:, None] & (target_token_ids[:, :k].long() == draft_token_ids.long())
+    return emit_tokens(
+        accepted, draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample
+    )
+
+
+def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of integer samples to probs; bins with expected count < 5 are merged."""
+    n = samples.numel()
+    observed = np.bincount(samples.cpu().numpy(), minlength=probs.numel()).astype(np.float64)
+    probs = probs.double().cpu().numpy()
+    assert observed[probs == 0].sum() == 0, "a zero-probability token was sampled"
+    expected = probs / probs.sum() * n
+    order = np.argsort(expected)
+    obs_bins, exp_bins = [], []
+    acc_o = acc_e = 0.0
+    for j in order:  # merge the smallest bins until each merged bin expects >= 5
+        acc_o += observed[j]
+        acc_e += expected[j]
+        if acc_e >= 5:
+            obs_bins.append(acc_o)
+            exp_bins.append(acc_e)
+            acc_o = acc_e = 0.0
+    if acc_e > 0 or acc_o > 0:
+        if exp_bins:
+            obs_bins[-1] += acc_o
+            exp_bins[-1] += acc_e
+        else:
+            obs_bins.append(acc_o)
+            exp_bins.append(acc_e)
+    if len(exp_bins) < 2:
+        return 1.0
+    return float(stats.chisquare(obs_bins, exp_bins).pvalue)

@@ -1,0 +1,67 @@
+"""The verifier step and per-request reproducibility."""
+
+import torch
+
+from sampling import DraftToTargetMap, RequestRng, SamplingParams, Verifier
+
+VT, VD, K = 12, 8, 3
+D2T = torch.tensor([11, 0, 3, 3, 5, 7, 1, 2])  # non-identity, many-to-one (3 <- 2 and 3)
+
+
+def step_inputs(batch, seed):
+    gen = torch.Generator().manual_seed(seed)
+    draft_probs = torch.softmax(torch.randn(batch, K, VD, generator=gen), -1)
+    draft_ids = D2T[torch.multinomial(draft_probs.view(-1, VD), 1, generator=gen).view(batch, K)]
+    logits = torch.randn(batch, K + 1, VT, generator=gen)
+    return draft_ids, draft_probs, logits
+
+
+def test_seeded_row_is_identical_alone_and_in_any_batch():
+    verifier = Verifier(DraftToTargetMap(D2T, VT), backend="torch")
+    params = SamplingParams(do_sample=True, temperature=0.9, seed=1234)
+    draft_ids, draft_probs, logits = step_inputs(1, seed=0)
+    alone = [verifier.verify(draft_ids, draft_probs, logits, [params], [RequestRng(1234)]).emitted(0) for _ in range(2)]
+    assert alone[0] == alone[1]
+    for batch, position in ((5, 0), (17, 9), (64, 63)):
+        other_ids, other_probs, other_logits = step_inputs(batch, seed=batch)
+        other_ids[position], other_probs[position], other_logits[position] = draft_ids[0], draft_probs[0], logits[0]
+        all_params = [SamplingParams(do_sample=b % 2 == 0, seed=b) for b in range(batch)]
+        all_params[position] = params
+        rngs = [RequestRng(p.seed) for p in all_params]
+        result = verifier.verify(other_ids, other_probs, other_logits, all_params, rngs)
+        assert result.emitted(position) == alone[0]
+
+
+def test_consecutive_steps_draw_fresh_uniforms():
+    verifier = Verifier(DraftToTargetMap(D2T, VT), backend="torch")
+    params = [SamplingParams(do_sample=True, seed=7)] * 64
+    rngs = [RequestRng(7 + i) for i in range(64)]
+    draft_ids, draft_probs, logits = step_inputs(64, seed=3)
+    first = verifier.verify(draft_ids, draft_probs, logits, params, rngs).output_token_ids
+    second = verifier.verify(draft_ids, draft_probs, logits, params, rngs).output_token_ids
+    assert not torch.equal(first, second)
+
+
+def test_stats_are_consistent_with_outputs():
+    verifier = Verifier(DraftToTargetMap(D2T, VT), backend="torch")
+    batch = 40
+    params = [SamplingParams(do_sample=b % 3 != 0, top_k=b % 5) for b in range(batch)]
+    draft_ids, draft_probs, logits = step_inputs(batch, seed=4)
+    result = verifier.verify(draft_ids, draft_probs, logits, params, [RequestRng(b) for b in range(batch)])
+    stats = result.stats
+    assert stats.draft_tokens.tolist() == [K] * batch
+    assert (stats.accepted_tokens == result.accepted_token_num.long() - 1).all()
+    assert (stats.accepted_per_position.sum(-1) == stats.accepted_tokens).all()
+    assert stats.do_sample.tolist() == [not p.is_greedy for p in params]
+
+
+def test_greedy_rows_match_target_argmax():
+    verifier = Verifier(DraftToTargetMap(D2T, VT), backend="torch")
+    draft_ids, _, logits = step_inputs(16, seed=5)
+    draft_ids[:, 0] = logits[:, 0].argmax(-1)  # first draft always right
+    result = verifier.verify(draft_ids, None, logits, [SamplingParams()] * 16, [RequestRng(0)] * 16)
+    greedy = logits.argmax(-1)
+    for b in range(16):
+        emitted = result.emitted(b)
+        assert emitted == greedy[b, : len(emitted)].tolist()
+        assert len(emitted) >= 2
