@@ -1,0 +1,135 @@
+"""CuPy backend of `rejection_sample`: a thin, cached wrapper around rejection_kernel.cu.
+
+The kernel is compiled once per device (NVRTC on CUDA, hiprtc on ROCm; CuPy also caches
+the binary on disk) and launched on torch's current stream with raw device pointers:
+zero-copy (the kernel reads torch's own memory) and ~10 µs per launch, where
+`cupy.from_dlpack` costs ~30 µs per tensor (shared/ANCHORS.md). Inputs were validated
+by `sampling.checks` (dtype, device, shape); this module only makes them contiguous.
+
+A call allocates nothing on the device beyond torch's caching allocator (the outputs,
+and the workspace the first time a stream needs a larger one) and never synchronises
+with the host, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SOURCE = Path(__file__).with_name("rejection_kernel.cu")
+KERNEL_NAME = "rejection_sample_kernel"
+THREADS = 256  # RS_THREADS in the .cu file
+MIN_CHUNK = 1024  # vocabulary entries per block: at least 4 float4 loads per thread
+MAX_CHUNK = 8192  # the last block of a row rescans one chunk, so keep it short
+MAX_GRID_Y = 65535  # rows beyond it are grid-strided inside the kernel
+
+
+@functools.cache
+def _kernel(device_index: int):
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=SOURCE.read_text())
+        return module.get_function(KERNEL_NAME)
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _external_stream(stream_ptr: int, device_index: int):
+    import cupy
+
+    return cupy.cuda.ExternalStream(stream_ptr, device_index)
+
+
+def chunk_size(batch: int, vocab: int, multiprocessors: int) -> int:
+    """Entries per block: enough blocks for ~4 per SM, so B = 1 still spans the GPU."""
+    per_block = -(-batch * vocab // (4 * multiprocessors))
+    rounded = -(-per_block // MIN_CHUNK) * MIN_CHUNK
+    return max(MIN_CHUNK, min(MAX_CHUNK, rounded))
+
+
+class _Workspace:
+    """Per-(device, stream) scratch: float64 chunk sums and per-row arrival counters.
+
+    The counters are zeroed once, when allocated; the kernel's last block per row puts
+    its counter back to 0, so no memset is needed per call (or per graph replay).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sums = torch.empty(0, dtype=torch.float64, device=device)
+        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+
+    def reserve(self, batch: int, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sums.numel() < batch * num_chunks:
+            self.sums = torch.empty(
+                max(batch * num_chunks, 2 * self.sums.numel()), dtype=torch.float64, device=self.device
+            )
+        if self.counters.numel() < batch:
+            self.counters = torch.zeros(max(batch, 2 * self.counters.numel()), dtype=torch.int32, device=self.device)
+        return self.sums, self.counters
+
+
+_workspaces: dict[tuple[int, int], _Workspace] = {}
+
+
+def rejection_sample_cupy(
+    draft_token_ids: torch.Tensor,  # [B, K] int32|int64
+    draft_probs: torch.Tensor | None,  # [B, K, V] float32 or None
+    target_probs: torch.Tensor,  # [B, K+1, V] float32
+    target_token_ids: torch.Tensor,  # [B, K+1] int32|int64
+    uniform_samples: torch.Tensor,  # [B, K+1] float32
+    do_sample: torch.Tensor,  # [B] bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, k = draft_token_ids.shape
+    vocab = target_probs.shape[-1]
+    device = target_probs.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    draft_token_ids, target_probs, target_token_ids, uniform_samples, do_sample = (
+        t.contiguous() for t in (draft_token_ids, target_probs, target_token_ids, uniform_samples, do_sample)
+    )
+    draft_probs = None if draft_probs is None else draft_probs.contiguous()
+
+    chunk = chunk_size(batch, vocab, _multiprocessors(index))
+    num_chunks = -(-vocab // chunk)
+    stream = torch.cuda.current_stream(device)
+    workspace = _workspaces.get((index, stream.cuda_stream))
+    if workspace is None:
+        workspace = _workspaces[(index, stream.cuda_stream)] = _Workspace(device)
+    sums, counters = workspace.reserve(batch, num_chunks)
+    out = torch.empty(batch * (k + 2), dtype=torch.int32, device=device)  # ids and counts, one allocation
+    output_token_ids = out[: batch * (k + 1)].view(batch, k + 1)
+    accepted_token_num = out[batch * (k + 1) :]
+
+    p_ptr = 0 if draft_probs is None else draft_probs.data_ptr()
+    vec = vocab % 4 == 0 and target_probs.data_ptr() % 16 == 0 and p_ptr % 16 == 0
+    args = (
+        np.uint64(draft_token_ids.data_ptr()),
+        np.int32(draft_token_ids.dtype == torch.int64),
+        np.uint64(p_ptr),
+        np.uint64(target_probs.data_ptr()),
+        np.uint64(target_token_ids.data_ptr()),
+        np.int32(target_token_ids.dtype == torch.int64),
+        np.uint64(uniform_samples.data_ptr()),
+        np.uint64(do_sample.data_ptr()),
+        np.int32(batch),
+        np.int32(k),
+        np.int64(vocab),
+        np.int64(chunk),
+        np.int32(num_chunks),
+        np.int32(vec),
+        np.uint64(output_token_ids.data_ptr()),
+        np.uint64(accepted_token_num.data_ptr()),
+        np.uint64(sums.data_ptr()),
+        np.uint64(counters.data_ptr()),
+    )
+    grid = (num_chunks, min(batch, MAX_GRID_Y))
+    _kernel(index)(grid, (THREADS,), args, stream=_external_stream(stream.cuda_stream, index))
+    return output_token_ids, accepted_token_num
