@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -19,7 +20,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def environment() -> dict[str, str]:
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _git("rev-parse", "--short", "HEAD") + ("-dirty" if _git("status", "--porcelain") else ""),
+        # PDSPEC_COMMIT names the commit where the tree was copied without .git (the GPU machine).
+        "commit": os.environ.get("PDSPEC_COMMIT")
+        or _git("rev-parse", "--short", "HEAD") + ("-dirty" if _git("status", "--porcelain") else ""),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu": _cpu_model(),

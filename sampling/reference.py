@@ -90,7 +90,7 @@ def _recovered_tokens(
     uniform_samples: torch.Tensor,
 ) -> torch.Tensor:
     """[R] int64 residual samples from relu(q - p), uniform = the NEXT one."""
-    step = rows_per_slice(target_probs.shape[-1])  # bounded temporaries (see categorical)
+    step = rows_per_slice(target_probs.shape[-1], target_probs.device)  # bounded temporaries (see categorical)
     return torch.cat(
         [
             _recover_slice(
