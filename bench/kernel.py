@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results  # noqa: E402
-from sampling import RejectionSampler, rejection_sample  # noqa: E402
+from bench.common import environment, markdown_table, write_results
+from sampling import RejectionSampler, rejection_sample
 
 CASES = [(1, 4, 128256), (64, 4, 128256), (256, 4, 128256), (64, 1, 32000), (64, 8, 151936), (512, 4, 32000)]
 # FlashInfer chain_speculative_sampling on an H200, from shared/ANCHORS.md (not rerun here).
@@ -60,7 +60,7 @@ def make_inputs(batch: int, k: int, vocab: int, dense: bool, seed: int = 0):
 
 def naive_torch(draft_ids, draft_probs, target_probs, target_ids, uniforms, do_sample):
     """The textbook dense version: a residual distribution for every (row, position)."""
-    batch, k = draft_ids.shape
+    k = draft_ids.shape[1]
     vocab = target_probs.shape[-1]
     q_all = target_probs[:, :k]  # [B, K, V]
     q = q_all.gather(-1, draft_ids[..., None]).squeeze(-1)
