@@ -33,6 +33,55 @@ def check_rejection_inputs(
     check_values: bool = True,
 ) -> Dims:
     """Raise ValueError naming the argument, expected and actual value; return B, K, V."""
+    dims = _well_formed_dims(draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample)
+    if dims is None:  # something is off: the detailed checks below name it
+        dims = _structural_checks(
+            draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample
+        )
+    if check_values and dims.batch > 0:
+        _check_values(draft_token_ids, target_token_ids, uniform_samples, dims.vocab)
+    return dims
+
+
+def _well_formed_dims(draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample):
+    """Fast path (a few µs, it runs on every decode step): Dims if all is well, else None."""
+    try:
+        batch, k_plus_1, vocab = target_probs.shape
+        device = target_probs.device
+        k = k_plus_1 - 1
+        ok = (
+            target_probs.dtype == torch.float32
+            and k >= 0
+            and vocab >= 1
+            and draft_token_ids.dtype in _INT_DTYPES
+            and draft_token_ids.shape == (batch, k)
+            and target_token_ids.dtype in _INT_DTYPES
+            and target_token_ids.shape == (batch, k_plus_1)
+            and uniform_samples.dtype == torch.float32
+            and uniform_samples.shape == (batch, k_plus_1)
+            and do_sample.dtype == torch.bool
+            and do_sample.shape == (batch,)
+            and draft_token_ids.device == device
+            and target_token_ids.device == device
+            and uniform_samples.device == device
+            and do_sample.device == device
+            and (
+                draft_probs is None
+                or (
+                    draft_probs.dtype == torch.float32
+                    and draft_probs.shape == (batch, k, vocab)
+                    and draft_probs.device == device
+                )
+            )
+        )
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return Dims(batch, k, vocab) if ok else None
+
+
+def _structural_checks(
+    draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample
+) -> Dims:
     _check_tensor("target_probs", target_probs, rank=3, dtypes=(torch.float32,))
     batch, k_plus_1, vocab = target_probs.shape
     if k_plus_1 < 1:
@@ -51,8 +100,6 @@ def check_rejection_inputs(
         "uniform_samples", uniform_samples, rank=2, dtypes=(torch.float32,), shape=(batch, k + 1), device=device
     )
     _check_tensor("do_sample", do_sample, rank=1, dtypes=(torch.bool,), shape=(batch,), device=device)
-    if check_values and batch > 0:
-        _check_values(draft_token_ids, target_token_ids, uniform_samples, vocab)
     return Dims(batch, k, vocab)
 
 

@@ -2,9 +2,11 @@
 
 The kernel is compiled once per device (NVRTC on CUDA, hiprtc on ROCm; CuPy also caches
 the binary on disk) and launched on torch's current stream with raw device pointers:
-zero-copy (the kernel reads torch's own memory) and ~10 µs per launch, where
-`cupy.from_dlpack` costs ~30 µs per tensor (shared/ANCHORS.md). Inputs were validated
-by `sampling.checks` (dtype, device, shape); this module only makes them contiguous.
+zero-copy (the kernel reads torch's own memory), where `cupy.from_dlpack` would cost
+~30 µs per tensor (shared/ANCHORS.md). All launch arguments travel as one packed struct
+(`RsParams` in the .cu file), so marshalling them is one `struct.pack`. Inputs were
+validated by `sampling.checks` (dtype, device, shape); this module only makes them
+contiguous.
 
 A call allocates nothing on the device beyond torch's caching allocator (the outputs,
 and the workspace the first time a stream needs a larger one) and never synchronises
@@ -14,6 +16,7 @@ with the host, so it can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +25,12 @@ import torch
 SOURCE = Path(__file__).with_name("rejection_kernel.cu")
 KERNEL_NAME = "rejection_sample_kernel"
 THREADS = 256  # RS_THREADS in the .cu file
-MIN_CHUNK = 1024  # vocabulary entries per block: at least 4 float4 loads per thread
-MAX_CHUNK = 8192  # the last block of a row rescans one chunk, so keep it short
+MIN_CHUNK = 1024  # vocabulary entries per block: one float4 per thread
+MAX_CHUNK = 4096  # RS_MAX_CHUNK: a thread holds its share of a chunk in registers
 MAX_GRID_Y = 65535  # rows beyond it are grid-strided inside the kernel
+COMPILE_OPTIONS: tuple[str, ...] = ()  # e.g. ("-DRS_MIN_BLOCKS=2",) for experiments
+_PARAMS = struct.Struct("<QqQQQqQQqqqqqqQQQQ")  # RsParams: 18 fields of 8 bytes
+_PARAMS_DTYPE = np.dtype((np.void, _PARAMS.size))
 
 
 @functools.cache
@@ -32,7 +38,7 @@ def _kernel(device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=SOURCE.read_text())
+        module = cupy.RawModule(code=SOURCE.read_text(), options=COMPILE_OPTIONS)
         return module.get_function(KERNEL_NAME)
 
 
@@ -41,11 +47,24 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+class _StreamHandle:
+    """A raw stream pointer in the CUDA stream protocol, for `cupy.cuda.Stream.from_external`."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
 @functools.cache
-def _external_stream(stream_ptr: int, device_index: int):
+def _cupy_stream(stream_ptr: int, device_index: int):
     import cupy
 
-    return cupy.cuda.ExternalStream(stream_ptr, device_index)
+    with cupy.cuda.Device(device_index):
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            return cupy.cuda.Stream.from_external(_StreamHandle(stream_ptr))
+        return cupy.cuda.ExternalStream(stream_ptr, device_index)  # CuPy < 14
 
 
 def chunk_size(batch: int, vocab: int, multiprocessors: int) -> int:
@@ -99,37 +118,39 @@ def rejection_sample_cupy(
 
     chunk = chunk_size(batch, vocab, _multiprocessors(index))
     num_chunks = -(-vocab // chunk)
-    stream = torch.cuda.current_stream(device)
-    workspace = _workspaces.get((index, stream.cuda_stream))
+    stream_ptr = torch._C._cuda_getCurrentRawStream(index)  # cheaper than current_stream() objects
+    workspace = _workspaces.get((index, stream_ptr))
     if workspace is None:
-        workspace = _workspaces[(index, stream.cuda_stream)] = _Workspace(device)
+        workspace = _workspaces[(index, stream_ptr)] = _Workspace(device)
     sums, counters = workspace.reserve(batch, num_chunks)
     out = torch.empty(batch * (k + 2), dtype=torch.int32, device=device)  # ids and counts, one allocation
     output_token_ids = out[: batch * (k + 1)].view(batch, k + 1)
     accepted_token_num = out[batch * (k + 1) :]
 
     p_ptr = 0 if draft_probs is None else draft_probs.data_ptr()
-    vec = vocab % 4 == 0 and target_probs.data_ptr() % 16 == 0 and p_ptr % 16 == 0
-    args = (
-        np.uint64(draft_token_ids.data_ptr()),
-        np.int32(draft_token_ids.dtype == torch.int64),
-        np.uint64(p_ptr),
-        np.uint64(target_probs.data_ptr()),
-        np.uint64(target_token_ids.data_ptr()),
-        np.int32(target_token_ids.dtype == torch.int64),
-        np.uint64(uniform_samples.data_ptr()),
-        np.uint64(do_sample.data_ptr()),
-        np.int32(batch),
-        np.int32(k),
-        np.int64(vocab),
-        np.int64(chunk),
-        np.int32(num_chunks),
-        np.int32(vec),
-        np.uint64(output_token_ids.data_ptr()),
-        np.uint64(accepted_token_num.data_ptr()),
-        np.uint64(sums.data_ptr()),
-        np.uint64(counters.data_ptr()),
+    q_ptr = target_probs.data_ptr()
+    vec = vocab % 4 == 0 and q_ptr % 16 == 0 and p_ptr % 16 == 0
+    params = _PARAMS.pack(
+        draft_token_ids.data_ptr(),
+        draft_token_ids.dtype == torch.int64,
+        p_ptr,
+        q_ptr,
+        target_token_ids.data_ptr(),
+        target_token_ids.dtype == torch.int64,
+        uniform_samples.data_ptr(),
+        do_sample.data_ptr(),
+        batch,
+        k,
+        vocab,
+        chunk,
+        num_chunks,
+        vec,
+        output_token_ids.data_ptr(),
+        accepted_token_num.data_ptr(),
+        sums.data_ptr(),
+        counters.data_ptr(),
     )
     grid = (num_chunks, min(batch, MAX_GRID_Y))
-    _kernel(index)(grid, (THREADS,), args, stream=_external_stream(stream.cuda_stream, index))
+    # A one-element numpy array is passed to the kernel by value: the RsParams struct.
+    _kernel(index)(grid, (THREADS,), (np.frombuffer(params, _PARAMS_DTYPE),), stream=_cupy_stream(stream_ptr, index))
     return output_token_ids, accepted_token_num

@@ -26,6 +26,35 @@
 #endif
 
 #define RS_THREADS 256
+#ifndef RS_MIN_BLOCKS
+#define RS_MIN_BLOCKS 3  // resident blocks per SM the register budget must allow (80 registers)
+#endif
+#define RS_MAX_CHUNK 4096                            // entries per block at most (the wrapper's MAX_CHUNK)
+#define RS_VEC_PER_THREAD (RS_MAX_CHUNK / (4 * RS_THREADS))  // float4 loads per thread per chunk
+#define RS_RUN (RS_MAX_CHUNK / RS_THREADS)              // entries per thread in the rescan
+
+// All launch arguments in one by-value struct: one argument to marshal from Python.
+// Every field is 8 bytes, so the layout is the same on every compiler (no padding).
+struct RsParams {
+    const void* draft_ids;          // [B, K] int32 or int64
+    long long draft_ids_64;
+    const float* draft_probs;       // [B, K, V] or nullptr (point mass)
+    const float* target_probs;      // [B, K+1, V]
+    const void* target_ids;         // [B, K+1] int32 or int64
+    long long target_ids_64;
+    const float* uniforms;          // [B, K+1]
+    const unsigned char* do_sample; // [B]
+    long long batch;
+    long long num_draft;            // K
+    long long vocab;                // V
+    long long chunk_size;           // multiple of 1024, <= RS_MAX_CHUNK
+    long long num_chunks;
+    long long vec;                  // rows 16-byte aligned and V % 4 == 0: float4 loads
+    int* out_ids;                   // [B, K+1]
+    int* out_emitted;               // [B]
+    double* chunk_sums;             // [B, num_chunks] workspace
+    int* row_counters;              // [B] workspace, all 0 between calls
+};
 
 struct RowIds {
     const void* ptr;
@@ -40,7 +69,7 @@ __device__ __forceinline__ long long clamp_id(long long id, long long vocab) {
 }
 
 // relu(q - p) as torch computes it (NaN propagates); point mass: q with the draft id zeroed.
-__device__ __forceinline__ float residual(float q, float p, long long j, long long draft, int dense) {
+__device__ __forceinline__ float residual(float q, float p, int j, int draft, int dense) {
     if (!dense) return j == draft ? 0.0f : q;
     float x = q - p;
     return x < 0.0f ? 0.0f : x;
@@ -82,46 +111,92 @@ __device__ double block_sum(double value, double* scratch) {
     return result;
 }
 
-__device__ __forceinline__ float residual_at(const float* q_row, const float* p_row, long long j, long long draft,
-                                             int dense) {
-    return residual(q_row[j], dense ? p_row[j] : 0.0f, j, draft, dense);
+// The chunk-local view used by the loops below: 32-bit offsets keep register use low.
+struct Chunk {
+    const float* q;  // target row + begin
+    const float* p;  // draft row + begin (dense only)
+    int size;        // end - begin <= RS_MAX_CHUNK
+    int draft;       // draft id - begin when the draft id falls in this chunk, else -1
+};
+
+__device__ __forceinline__ Chunk make_chunk(const float* q_row, const float* p_row, long long begin, long long end,
+                                            long long draft, int dense) {
+    Chunk c;
+    c.q = q_row + begin;
+    c.p = dense ? p_row + begin : nullptr;
+    c.size = static_cast<int>(end - begin);
+    c.draft = (draft >= begin && draft < end) ? static_cast<int>(draft - begin) : -1;
+    return c;
 }
 
-// Sum of the residual over [begin, end) of one row; float4 loads when `vec` (16-byte
-// aligned rows, begin a multiple of 4); point-mass rows never read p.
-__device__ double chunk_residual_sum(const float* q_row, const float* p_row, long long begin, long long end,
-                                     long long draft, int dense, int vec) {
+// Sum of the residual over a chunk. Every load of the thread is issued before the first
+// add, so a block keeps its whole chunk in flight; float4 loads when `vec` (then the
+// size is a multiple of 4); point mass never reads p.
+__device__ double chunk_residual_sum(const Chunk& c, int dense, int vec) {
     double sum = 0.0;
-    long long j = begin + threadIdx.x;
     if (vec) {
-        const long long vec_end = begin + ((end - begin) & ~3LL);
-        for (j = begin + 4LL * threadIdx.x; j < vec_end; j += 4LL * RS_THREADS) {
-            const float4 q = *reinterpret_cast<const float4*>(q_row + j);
-            if (dense) {
-                const float4 p = *reinterpret_cast<const float4*>(p_row + j);
-                sum += static_cast<double>(residual(q.x, p.x, j, draft, 1));
-                sum += static_cast<double>(residual(q.y, p.y, j + 1, draft, 1));
-                sum += static_cast<double>(residual(q.z, p.z, j + 2, draft, 1));
-                sum += static_cast<double>(residual(q.w, p.w, j + 3, draft, 1));
-            } else {
-                sum += static_cast<double>(residual(q.x, 0.0f, j, draft, 0));
-                sum += static_cast<double>(residual(q.y, 0.0f, j + 1, draft, 0));
-                sum += static_cast<double>(residual(q.z, 0.0f, j + 2, draft, 0));
-                sum += static_cast<double>(residual(q.w, 0.0f, j + 3, draft, 0));
+        float4 qv[RS_VEC_PER_THREAD], pv[RS_VEC_PER_THREAD];
+#pragma unroll
+        for (int u = 0; u < RS_VEC_PER_THREAD; ++u) {
+            const int j = 4 * (threadIdx.x + u * RS_THREADS);
+            if (j < c.size) {
+                qv[u] = *reinterpret_cast<const float4*>(c.q + j);
+                if (dense) pv[u] = *reinterpret_cast<const float4*>(c.p + j);
             }
         }
-        j = vec_end + threadIdx.x;  // scalar tail when end - begin is not a multiple of 4
+#pragma unroll
+        for (int u = 0; u < RS_VEC_PER_THREAD; ++u) {
+            const int j = 4 * (threadIdx.x + u * RS_THREADS);
+            if (j < c.size) {
+                sum += static_cast<double>(residual(qv[u].x, dense ? pv[u].x : 0.0f, j, c.draft, dense));
+                sum += static_cast<double>(residual(qv[u].y, dense ? pv[u].y : 0.0f, j + 1, c.draft, dense));
+                sum += static_cast<double>(residual(qv[u].z, dense ? pv[u].z : 0.0f, j + 2, c.draft, dense));
+                sum += static_cast<double>(residual(qv[u].w, dense ? pv[u].w : 0.0f, j + 3, c.draft, dense));
+            }
+        }
+        return sum;
     }
-    for (; j < end; j += RS_THREADS) sum += static_cast<double>(residual_at(q_row, p_row, j, draft, dense));
+    // Scalar path (V not a multiple of 4: no real vocabulary); kept simple and light.
+#pragma unroll 4
+    for (int j = threadIdx.x; j < c.size; j += RS_THREADS)
+        sum += static_cast<double>(residual(c.q[j], dense ? c.p[j] : 0.0f, j, c.draft, dense));
     return sum;
+}
+
+// The residual over this thread's run [t * RS_RUN, (t + 1) * RS_RUN) of a chunk, into
+// registers (0 past the end); loads issued together, float4 when `vec`.
+__device__ void load_run(const Chunk& c, int dense, int vec, float* r) {
+    const int run_begin = threadIdx.x * RS_RUN;
+    if (vec) {
+#pragma unroll
+        for (int u = 0; u < RS_RUN / 4; ++u) {
+            const int j = run_begin + 4 * u;
+            if (j < c.size) {
+                const float4 q = *reinterpret_cast<const float4*>(c.q + j);
+                const float4 p = dense ? *reinterpret_cast<const float4*>(c.p + j) : float4{0.f, 0.f, 0.f, 0.f};
+                r[4 * u] = residual(q.x, p.x, j, c.draft, dense);
+                r[4 * u + 1] = residual(q.y, p.y, j + 1, c.draft, dense);
+                r[4 * u + 2] = residual(q.z, p.z, j + 2, c.draft, dense);
+                r[4 * u + 3] = residual(q.w, p.w, j + 3, c.draft, dense);
+            } else {
+                r[4 * u] = r[4 * u + 1] = r[4 * u + 2] = r[4 * u + 3] = 0.0f;
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int u = 0; u < RS_RUN; ++u) {
+        const int j = run_begin + u;
+        r[u] = j < c.size ? residual(c.q[j], dense ? c.p[j] : 0.0f, j, c.draft, dense) : 0.0f;
+    }
 }
 
 // Run by the last block of a row: find the chunk holding t, rescan it, return the index.
 // s_pick[0..3] must hold {num_chunks, -1, INT_MAX, -1} on entry.
 __device__ long long sample_residual(const float* q_row, const float* p_row, long long draft, int dense,
                                      const volatile double* sums, int num_chunks, long long chunk_size,
-                                     long long vocab, float uniform, long long fallback, double* scratch,
-                                     int* s_pick) {
+                                     long long vocab, int vec, float uniform, long long fallback,
+                                     double* scratch, int* s_pick) {
     const int t = threadIdx.x;
     // 1) Prefix over the chunk sums; each thread owns a contiguous segment of chunks.
     const int per_thread = (num_chunks + RS_THREADS - 1) / RS_THREADS;
@@ -151,50 +226,53 @@ __device__ long long sample_residual(const float* q_row, const float* p_row, lon
     __syncthreads();
     const double chunk_before = scratch[RS_THREADS + 1];
 
-    // 2) Rescan that chunk; each thread owns a contiguous run of elements.
+    // 2) Rescan that chunk; thread t owns the run [begin + t * RS_RUN, + RS_RUN), in registers.
     const long long begin = chunk * chunk_size;
     const long long end = min_ll(begin + chunk_size, vocab);
-    const long long run = (end - begin + RS_THREADS - 1) / RS_THREADS;
-    const long long run_begin = min_ll(begin + t * run, end);
-    const long long run_end = min_ll(run_begin + run, end);
+    float r[RS_RUN];
+    load_run(make_chunk(q_row, p_row, begin, end, draft, dense), dense, vec, r);
     double run_sum = 0.0;
-    for (long long j = run_begin; j < run_end; ++j) run_sum += static_cast<double>(residual_at(q_row, p_row, j, draft, dense));
+#pragma unroll
+    for (int u = 0; u < RS_RUN; ++u) run_sum += static_cast<double>(r[u]);
     double c = chunk_before + block_exclusive_scan(run_sum, scratch);
-    long long last_positive = -1;
-    for (long long j = run_begin; j < run_end; ++j) {
-        const float r = residual_at(q_row, p_row, j, draft, dense);
-        c += static_cast<double>(r);
-        if (r > 0.0f) {
-            last_positive = j;
-            if (c > threshold) { atomicMin(&s_pick[2], static_cast<int>(j - begin)); break; }
+    int first_hit = 0x7fffffff;
+    int last_positive = -1;
+#pragma unroll
+    for (int u = 0; u < RS_RUN; ++u) {
+        c += static_cast<double>(r[u]);
+        if (r[u] > 0.0f) {
+            last_positive = t * RS_RUN + u;
+            if (c > threshold && first_hit == 0x7fffffff) first_hit = t * RS_RUN + u;
         }
     }
-    if (last_positive >= 0) atomicMax(&s_pick[3], static_cast<int>(last_positive - begin));
+    if (first_hit != 0x7fffffff) atomicMin(&s_pick[2], first_hit);
+    if (last_positive >= 0) atomicMax(&s_pick[3], last_positive);
     __syncthreads();
     const int local = s_pick[2] != 0x7fffffff ? s_pick[2] : max_i(s_pick[3], 0);
     return begin + local;
 }
 
-extern "C" __global__ void __launch_bounds__(RS_THREADS) rejection_sample_kernel(
-    const void* draft_ids_ptr, int draft_ids_64,
-    const float* __restrict__ draft_probs,  // [B, K, V] or nullptr (point mass)
-    const float* __restrict__ target_probs,  // [B, K+1, V]
-    const void* target_ids_ptr, int target_ids_64,
-    const float* __restrict__ uniforms,  // [B, K+1]
-    const unsigned char* __restrict__ do_sample,  // [B]
-    int batch, int num_draft, long long vocab, long long chunk_size, int num_chunks, int vec,
-    int* __restrict__ out_ids,  // [B, K+1]
-    int* __restrict__ out_emitted,  // [B]
-    double* chunk_sums,  // [B, num_chunks] workspace
-    int* row_counters)  // [B] workspace, all 0 between calls
-{
+extern "C" __global__ void __launch_bounds__(RS_THREADS, RS_MIN_BLOCKS) rejection_sample_kernel(const RsParams params) {
+    const float* __restrict__ draft_probs = params.draft_probs;
+    const float* __restrict__ target_probs = params.target_probs;
+    const float* __restrict__ uniforms = params.uniforms;
+    const unsigned char* __restrict__ do_sample = params.do_sample;
+    int* __restrict__ out_ids = params.out_ids;
+    int* __restrict__ out_emitted = params.out_emitted;
+    double* chunk_sums = params.chunk_sums;
+    int* row_counters = params.row_counters;
+    const int batch = static_cast<int>(params.batch);
+    const long long vocab = params.vocab;
+    const long long chunk_size = params.chunk_size;
+    const int num_chunks = static_cast<int>(params.num_chunks);
+    const int vec = static_cast<int>(params.vec);
     __shared__ double scratch[RS_THREADS + 2];
     __shared__ int s_first_reject;
     __shared__ int s_pick[4];
     __shared__ int s_is_last;
-    const RowIds draft_ids{draft_ids_ptr, draft_ids_64};
-    const RowIds target_ids{target_ids_ptr, target_ids_64};
-    const int K = num_draft;
+    const RowIds draft_ids{params.draft_ids, static_cast<int>(params.draft_ids_64)};
+    const RowIds target_ids{params.target_ids, static_cast<int>(params.target_ids_64)};
+    const int K = static_cast<int>(params.num_draft);
     const int dense = draft_probs != nullptr;
 
     for (int b = blockIdx.y; b < batch; b += gridDim.y) {
@@ -242,7 +320,8 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS) rejection_sample_kernel
         const float* p_row = dense ? draft_probs + (static_cast<long long>(b) * K + n) * vocab : nullptr;
         const long long begin = blockIdx.x * chunk_size;
         const long long end = min_ll(begin + chunk_size, vocab);
-        const double partial = block_sum(chunk_residual_sum(q_row, p_row, begin, end, draft, dense, vec), scratch);
+        const double partial = block_sum(chunk_residual_sum(make_chunk(q_row, p_row, begin, end, draft, dense), dense, vec),
+                                         scratch);
         double* row_sums = chunk_sums + static_cast<long long>(b) * num_chunks;
         if (threadIdx.x == 0) {
             row_sums[blockIdx.x] = partial;
@@ -253,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS) rejection_sample_kernel
         if (!s_is_last) continue;
         __threadfence();  // see every other block's sum
         const long long token = sample_residual(
-            q_row, p_row, draft, dense, row_sums, num_chunks, chunk_size, vocab,
+            q_row, p_row, draft, dense, row_sums, num_chunks, chunk_size, vocab, vec,
             uniforms[static_cast<long long>(b) * (K + 1) + n + 1],
             target_ids[static_cast<long long>(b) * (K + 1) + n], scratch, s_pick);
         if (threadIdx.x == 0) {
