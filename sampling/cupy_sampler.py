@@ -27,9 +27,10 @@ KERNEL_NAME = "rejection_sample_kernel"
 THREADS = 256  # RS_THREADS in the .cu file
 MIN_CHUNK = 1024  # vocabulary entries per block: one float4 per thread
 MAX_CHUNK = 4096  # RS_MAX_CHUNK: a thread holds its share of a chunk in registers
+BLOCKS_PER_SM = 4  # grid sizing target: blocks (and chunks) per multiprocessor
 MAX_GRID_Y = 65535  # rows beyond it are grid-strided inside the kernel
 COMPILE_OPTIONS: tuple[str, ...] = ()  # e.g. ("-DRS_MIN_BLOCKS=2",) for experiments
-_PARAMS = struct.Struct("<QqQQQqQQqqqqqqQQQQ")  # RsParams: 18 fields of 8 bytes
+_PARAMS = struct.Struct("<QqQQQqQQqqqqqqqQQQQ")  # RsParams: 19 fields of 8 bytes
 _PARAMS_DTYPE = np.dtype((np.void, _PARAMS.size))
 
 
@@ -68,10 +69,17 @@ def _cupy_stream(stream_ptr: int, device_index: int):
 
 
 def chunk_size(batch: int, vocab: int, multiprocessors: int) -> int:
-    """Entries per block: enough blocks for ~4 per SM, so B = 1 still spans the GPU."""
-    per_block = -(-batch * vocab // (4 * multiprocessors))
-    rounded = -(-per_block // MIN_CHUNK) * MIN_CHUNK
+    """Entries per chunk: small enough that B = 1 still spans the GPU (~4 chunks per SM)."""
+    per_chunk = -(-batch * vocab // (BLOCKS_PER_SM * multiprocessors))
+    rounded = -(-per_chunk // MIN_CHUNK) * MIN_CHUNK
     return max(MIN_CHUNK, min(MAX_CHUNK, rounded))
+
+
+def chunks_per_block(batch: int, num_chunks: int, multiprocessors: int) -> int:
+    """Consecutive chunks one block sums: about 4 blocks per SM in all, so each block
+    pays its fixed costs (acceptance loads, arrival fence) once for several chunks."""
+    blocks_per_row = max(1, min(num_chunks, -(-BLOCKS_PER_SM * multiprocessors // batch)))
+    return -(-num_chunks // blocks_per_row)
 
 
 class _Workspace:
@@ -116,8 +124,10 @@ def rejection_sample_cupy(
     )
     draft_probs = None if draft_probs is None else draft_probs.contiguous()
 
-    chunk = chunk_size(batch, vocab, _multiprocessors(index))
+    sms = _multiprocessors(index)
+    chunk = chunk_size(batch, vocab, sms)
     num_chunks = -(-vocab // chunk)
+    per_block = chunks_per_block(batch, num_chunks, sms)
     stream_ptr = torch._C._cuda_getCurrentRawStream(index)  # cheaper than current_stream() objects
     workspace = _workspaces.get((index, stream_ptr))
     if workspace is None:
@@ -150,7 +160,7 @@ def rejection_sample_cupy(
         sums.data_ptr(),
         counters.data_ptr(),
     )
-    grid = (num_chunks, min(batch, MAX_GRID_Y))
+    grid = (-(-num_chunks // per_block), min(batch, MAX_GRID_Y))
     # A one-element numpy array is passed to the kernel by value: the RsParams struct.
     _kernel(index)(grid, (THREADS,), (np.frombuffer(params, _PARAMS_DTYPE),), stream=_cupy_stream(stream_ptr, index))
     return output_token_ids, accepted_token_num

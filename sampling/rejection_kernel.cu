@@ -4,14 +4,15 @@
 // warp-size assumption (AMD wavefronts are 64 wide): every reduction and scan goes through
 // shared memory, so the same source is correct on CUDA and ROCm.
 //
-// Grid: x = chunk of the vocabulary, y = batch row (grid-stride over rows past 65535).
+// Grid: x = a run of consecutive vocabulary chunks, y = batch row (grid-stride over rows
+// past 65535).
 // Every block of a row re-derives the row's first rejection n from K scalar loads (L2
 // hits), so no block waits on another for it. Then:
 //   * rows that need no residual (all accepted, or a greedy rejection) are finished by
 //     block x == 0 alone; the other blocks never touch the vocabulary;
-//   * rows whose first rejection is stochastic: each block sums its chunk of
-//     r = relu(q - p) (point mass: q with the draft id zeroed) in float64 and publishes it;
-//     the last block to arrive (threadfence + per-row counter) prefix-scans the chunk sums,
+//   * rows whose first rejection is stochastic: each block sums each of its chunks of
+//     r = relu(q - p) (point mass: q with the draft id zeroed) in float64 and publishes them;
+//     the last block of the row to arrive (threadfence + per-row counter) prefix-scans the chunk sums,
 //     finds the chunk that holds t = u[n+1] * S and rescans only that chunk. So the row is
 //     read once, plus one chunk. The last block resets the counter to 0, so the workspace
 //     stays valid across calls and CUDA-graph replays without a memset.
@@ -49,6 +50,7 @@ struct RsParams {
     long long vocab;                // V
     long long chunk_size;           // multiple of 1024, <= RS_MAX_CHUNK
     long long num_chunks;
+    long long chunks_per_block;     // gridDim.x = ceil(num_chunks / chunks_per_block)
     long long vec;                  // rows 16-byte aligned and V % 4 == 0: float4 loads
     int* out_ids;                   // [B, K+1]
     int* out_emitted;               // [B]
@@ -265,6 +267,7 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, RS_MIN_BLOCKS) rejectio
     const long long vocab = params.vocab;
     const long long chunk_size = params.chunk_size;
     const int num_chunks = static_cast<int>(params.num_chunks);
+    const int chunks_per_block = static_cast<int>(params.chunks_per_block);
     const int vec = static_cast<int>(params.vec);
     __shared__ double scratch[RS_THREADS + 2];
     __shared__ int s_first_reject;
@@ -318,15 +321,20 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, RS_MIN_BLOCKS) rejectio
         const long long draft = clamp_id(draft_ids[static_cast<long long>(b) * K + n], vocab);
         const float* q_row = target_probs + (static_cast<long long>(b) * (K + 1) + n) * vocab;
         const float* p_row = dense ? draft_probs + (static_cast<long long>(b) * K + n) * vocab : nullptr;
-        const long long begin = blockIdx.x * chunk_size;
-        const long long end = min_ll(begin + chunk_size, vocab);
-        const double partial = block_sum(chunk_residual_sum(make_chunk(q_row, p_row, begin, end, draft, dense), dense, vec),
-                                         scratch);
         double* row_sums = chunk_sums + static_cast<long long>(b) * num_chunks;
+        // This block's consecutive chunks: one prologue and one arrival per block.
+        const int first_chunk = static_cast<int>(blockIdx.x) * chunks_per_block;
+        const int last_chunk = min_i(first_chunk + chunks_per_block, num_chunks);
+        for (int chunk = first_chunk; chunk < last_chunk; ++chunk) {
+            const long long begin = chunk * chunk_size;
+            const long long end = min_ll(begin + chunk_size, vocab);
+            const double partial = block_sum(
+                chunk_residual_sum(make_chunk(q_row, p_row, begin, end, draft, dense), dense, vec), scratch);
+            if (threadIdx.x == 0) row_sums[chunk] = partial;
+        }
         if (threadIdx.x == 0) {
-            row_sums[blockIdx.x] = partial;
-            __threadfence();  // publish the sum before counting this block in
-            s_is_last = atomicAdd(&row_counters[b], 1) == num_chunks - 1;
+            __threadfence();  // publish the sums before counting this block in
+            s_is_last = atomicAdd(&row_counters[b], 1) == static_cast<int>(gridDim.x) - 1;
         }
         __syncthreads();
         if (!s_is_last) continue;
