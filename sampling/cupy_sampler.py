@@ -154,6 +154,7 @@ def rejection_sample_cupy(
         vocab,
         chunk,
         num_chunks,
+        per_block,
         vec,
         output_token_ids.data_ptr(),
         accepted_token_num.data_ptr(),

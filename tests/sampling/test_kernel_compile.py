@@ -49,3 +49,17 @@ def test_compiles_with_hipcc(source, tmp_path):
         env={**os.environ, "HIP_PLATFORM": "amd"},
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_launch_struct_matches_the_kernel_source():
+    """The Python packing of RsParams has one 8-byte field per field of the C struct."""
+    import re
+
+    from sampling.cupy_sampler import _PARAMS
+
+    source = (Path(__file__).resolve().parents[2] / "sampling" / "rejection_kernel.cu").read_text()
+    body = re.search(r"struct RsParams \{(.*?)\};", source, re.S).group(1)
+    fields = [line.split("//")[0].strip() for line in body.splitlines()]
+    fields = [f for f in fields if f.endswith(";")]
+    assert _PARAMS.size == 8 * len(fields)
+    assert list(_PARAMS.format.lstrip("<")) == ["Q" if "*" in f else "q" for f in fields]
