@@ -28,7 +28,7 @@
 
 #define RS_THREADS 256
 #ifndef RS_MIN_BLOCKS
-#define RS_MIN_BLOCKS 3  // resident blocks per SM the register budget must allow (80 registers)
+#define RS_MIN_BLOCKS 2  // resident blocks per SM the register budget must allow (128 registers)
 #endif
 #define RS_MAX_CHUNK 4096                            // entries per block at most (the wrapper's MAX_CHUNK)
 #define RS_VEC_PER_THREAD (RS_MAX_CHUNK / (4 * RS_THREADS))  // float4 loads per thread per chunk
@@ -131,38 +131,81 @@ __device__ __forceinline__ Chunk make_chunk(const float* q_row, const float* p_r
     return c;
 }
 
-// Sum of the residual over a chunk. Every load of the thread is issued before the first
-// add, so a block keeps its whole chunk in flight; float4 loads when `vec` (then the
-// size is a multiple of 4); point mass never reads p.
-__device__ double chunk_residual_sum(const Chunk& c, int dense, int vec) {
-    double sum = 0.0;
-    if (vec) {
-        float4 qv[RS_VEC_PER_THREAD], pv[RS_VEC_PER_THREAD];
+// One thread's share of a chunk, in registers: float4 j = 4 * (threadIdx.x + u * RS_THREADS).
+struct Tile {
+    float4 q[RS_VEC_PER_THREAD];
+    float4 p[RS_VEC_PER_THREAD];
+};
+
+// Issue every load of the thread's share at once (used when `vec`: the chunk size is a
+// multiple of 4 and rows are 16-byte aligned); point mass never reads p.
+__device__ __forceinline__ void load_tile(const Chunk& c, int dense, Tile& tile) {
 #pragma unroll
-        for (int u = 0; u < RS_VEC_PER_THREAD; ++u) {
-            const int j = 4 * (threadIdx.x + u * RS_THREADS);
-            if (j < c.size) {
-                qv[u] = *reinterpret_cast<const float4*>(c.q + j);
-                if (dense) pv[u] = *reinterpret_cast<const float4*>(c.p + j);
-            }
+    for (int u = 0; u < RS_VEC_PER_THREAD; ++u) {
+        const int j = 4 * (threadIdx.x + u * RS_THREADS);
+        if (j < c.size) {
+            tile.q[u] = *reinterpret_cast<const float4*>(c.q + j);
+            if (dense) tile.p[u] = *reinterpret_cast<const float4*>(c.p + j);
         }
-#pragma unroll
-        for (int u = 0; u < RS_VEC_PER_THREAD; ++u) {
-            const int j = 4 * (threadIdx.x + u * RS_THREADS);
-            if (j < c.size) {
-                sum += static_cast<double>(residual(qv[u].x, dense ? pv[u].x : 0.0f, j, c.draft, dense));
-                sum += static_cast<double>(residual(qv[u].y, dense ? pv[u].y : 0.0f, j + 1, c.draft, dense));
-                sum += static_cast<double>(residual(qv[u].z, dense ? pv[u].z : 0.0f, j + 2, c.draft, dense));
-                sum += static_cast<double>(residual(qv[u].w, dense ? pv[u].w : 0.0f, j + 3, c.draft, dense));
-            }
-        }
-        return sum;
     }
-    // Scalar path (V not a multiple of 4: no real vocabulary); kept simple and light.
+}
+
+__device__ __forceinline__ double tile_residual_sum(const Chunk& c, int dense, const Tile& tile) {
+    double sum = 0.0;
+#pragma unroll
+    for (int u = 0; u < RS_VEC_PER_THREAD; ++u) {
+        const int j = 4 * (threadIdx.x + u * RS_THREADS);
+        if (j < c.size) {
+            sum += static_cast<double>(residual(tile.q[u].x, dense ? tile.p[u].x : 0.0f, j, c.draft, dense));
+            sum += static_cast<double>(residual(tile.q[u].y, dense ? tile.p[u].y : 0.0f, j + 1, c.draft, dense));
+            sum += static_cast<double>(residual(tile.q[u].z, dense ? tile.p[u].z : 0.0f, j + 2, c.draft, dense));
+            sum += static_cast<double>(residual(tile.q[u].w, dense ? tile.p[u].w : 0.0f, j + 3, c.draft, dense));
+        }
+    }
+    return sum;
+}
+
+// Scalar path (V not a multiple of 4, or unaligned rows: no real vocabulary); kept light.
+__device__ double chunk_residual_sum_scalar(const Chunk& c, int dense) {
+    double sum = 0.0;
 #pragma unroll 4
     for (int j = threadIdx.x; j < c.size; j += RS_THREADS)
         sum += static_cast<double>(residual(c.q[j], dense ? c.p[j] : 0.0f, j, c.draft, dense));
     return sum;
+}
+
+// Chunk sums of this block's run of chunks [first, last) of one row into row_sums. With
+// `vec` the next chunk's loads are in flight while the current chunk is reduced.
+__device__ void sum_chunks(const float* q_row, const float* p_row, long long draft, int dense, int vec, int first,
+                           int last, long long chunk_size, long long vocab, double* row_sums, double* scratch) {
+    if (!vec) {
+        for (int chunk = first; chunk < last; ++chunk) {
+            const long long begin = chunk * chunk_size;
+            const Chunk c = make_chunk(q_row, p_row, begin, min_ll(begin + chunk_size, vocab), draft, dense);
+            const double partial = block_sum(chunk_residual_sum_scalar(c, dense), scratch);
+            if (threadIdx.x == 0) row_sums[chunk] = partial;
+        }
+        return;
+    }
+    Tile current, next;
+    long long begin = first * chunk_size;
+    Chunk c = make_chunk(q_row, p_row, begin, min_ll(begin + chunk_size, vocab), draft, dense);
+    load_tile(c, dense, current);
+    for (int chunk = first; chunk < last; ++chunk) {
+        const bool more = chunk + 1 < last;
+        Chunk c_next = c;
+        if (more) {
+            begin = (chunk + 1) * chunk_size;
+            c_next = make_chunk(q_row, p_row, begin, min_ll(begin + chunk_size, vocab), draft, dense);
+            load_tile(c_next, dense, next);
+        }
+        const double partial = block_sum(tile_residual_sum(c, dense, current), scratch);
+        if (threadIdx.x == 0) row_sums[chunk] = partial;
+        if (more) {
+            current = next;
+            c = c_next;
+        }
+    }
 }
 
 // The residual over this thread's run [t * RS_RUN, (t + 1) * RS_RUN) of a chunk, into
@@ -325,13 +368,7 @@ extern "C" __global__ void __launch_bounds__(RS_THREADS, RS_MIN_BLOCKS) rejectio
         // This block's consecutive chunks: one prologue and one arrival per block.
         const int first_chunk = static_cast<int>(blockIdx.x) * chunks_per_block;
         const int last_chunk = min_i(first_chunk + chunks_per_block, num_chunks);
-        for (int chunk = first_chunk; chunk < last_chunk; ++chunk) {
-            const long long begin = chunk * chunk_size;
-            const long long end = min_ll(begin + chunk_size, vocab);
-            const double partial = block_sum(
-                chunk_residual_sum(make_chunk(q_row, p_row, begin, end, draft, dense), dense, vec), scratch);
-            if (threadIdx.x == 0) row_sums[chunk] = partial;
-        }
+        sum_chunks(q_row, p_row, draft, dense, vec, first_chunk, last_chunk, chunk_size, vocab, row_sums, scratch);
         if (threadIdx.x == 0) {
             __threadfence();  // publish the sums before counting this block in
             s_is_last = atomicAdd(&row_counters[b], 1) == static_cast<int>(gridDim.x) - 1;
