@@ -26,10 +26,10 @@ SOURCE = Path(__file__).with_name("rejection_kernel.cu")
 KERNEL_NAME = "rejection_sample_kernel"
 THREADS = 256  # RS_THREADS in the .cu file
 MIN_CHUNK = 1024  # vocabulary entries per block: one float4 per thread
-MAX_CHUNK = 4096  # RS_MAX_CHUNK: a thread holds its share of a chunk in registers
+MAX_CHUNK = 8192  # RS_MAX_CHUNK: a thread holds its share of a chunk in registers
 BLOCKS_PER_SM = 4  # grid sizing target: blocks (and chunks) per multiprocessor
 MAX_GRID_Y = 65535  # rows beyond it are grid-strided inside the kernel
-COMPILE_OPTIONS: tuple[str, ...] = ()  # e.g. ("-DRS_MIN_BLOCKS=2",) for experiments
+COMPILE_OPTIONS: tuple[str, ...] = ()  # e.g. ("-DRS_MIN_BLOCKS=3",) for experiments (with MAX_CHUNK in sync)
 _PARAMS = struct.Struct("<QqQQQqQQqqqqqqqQQQQ")  # RsParams: 19 fields of 8 bytes
 _PARAMS_DTYPE = np.dtype((np.void, _PARAMS.size))
 

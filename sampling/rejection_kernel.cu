@@ -30,7 +30,9 @@
 #ifndef RS_MIN_BLOCKS
 #define RS_MIN_BLOCKS 2  // resident blocks per SM the register budget must allow (128 registers)
 #endif
-#define RS_MAX_CHUNK 4096                            // entries per block at most (the wrapper's MAX_CHUNK)
+#ifndef RS_MAX_CHUNK
+#define RS_MAX_CHUNK 8192  // entries per chunk at most (the wrapper's MAX_CHUNK)
+#endif
 #define RS_VEC_PER_THREAD (RS_MAX_CHUNK / (4 * RS_THREADS))  // float4 loads per thread per chunk
 #define RS_RUN (RS_MAX_CHUNK / RS_THREADS)              // entries per thread in the rescan
 
@@ -174,37 +176,22 @@ __device__ double chunk_residual_sum_scalar(const Chunk& c, int dense) {
     return sum;
 }
 
-// Chunk sums of this block's run of chunks [first, last) of one row into row_sums. With
-// `vec` the next chunk's loads are in flight while the current chunk is reduced.
+// Chunk sums of this block's run of chunks [first, last) of one row into row_sums.
 __device__ void sum_chunks(const float* q_row, const float* p_row, long long draft, int dense, int vec, int first,
                            int last, long long chunk_size, long long vocab, double* row_sums, double* scratch) {
-    if (!vec) {
-        for (int chunk = first; chunk < last; ++chunk) {
-            const long long begin = chunk * chunk_size;
-            const Chunk c = make_chunk(q_row, p_row, begin, min_ll(begin + chunk_size, vocab), draft, dense);
-            const double partial = block_sum(chunk_residual_sum_scalar(c, dense), scratch);
-            if (threadIdx.x == 0) row_sums[chunk] = partial;
-        }
-        return;
-    }
-    Tile current, next;
-    long long begin = first * chunk_size;
-    Chunk c = make_chunk(q_row, p_row, begin, min_ll(begin + chunk_size, vocab), draft, dense);
-    load_tile(c, dense, current);
     for (int chunk = first; chunk < last; ++chunk) {
-        const bool more = chunk + 1 < last;
-        Chunk c_next = c;
-        if (more) {
-            begin = (chunk + 1) * chunk_size;
-            c_next = make_chunk(q_row, p_row, begin, min_ll(begin + chunk_size, vocab), draft, dense);
-            load_tile(c_next, dense, next);
+        const long long begin = chunk * chunk_size;
+        const Chunk c = make_chunk(q_row, p_row, begin, min_ll(begin + chunk_size, vocab), draft, dense);
+        double own;
+        if (vec) {
+            Tile tile;
+            load_tile(c, dense, tile);
+            own = tile_residual_sum(c, dense, tile);
+        } else {
+            own = chunk_residual_sum_scalar(c, dense);
         }
-        const double partial = block_sum(tile_residual_sum(c, dense, current), scratch);
+        const double partial = block_sum(own, scratch);
         if (threadIdx.x == 0) row_sums[chunk] = partial;
-        if (more) {
-            current = next;
-            c = c_next;
-        }
     }
 }
 
