@@ -12,6 +12,7 @@ Writes bench/results/kernel-*.json.
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -102,16 +103,19 @@ def graph_us(fn) -> float:
     return 1e3 * do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
 
 
-def eager_us(fn, calls: int = 300) -> float:
-    """Back-to-back calls from Python, one sync at the end: per-call wall time."""
+def eager_us(fn, calls: int = 200, trials: int = 7) -> float:
+    """Back-to-back calls from Python, one sync per trial: median per-call wall time."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    per_call = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(per_call)
 
 
 def ceilings() -> dict[str, float]:

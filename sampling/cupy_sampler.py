@@ -23,24 +23,26 @@ import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("rejection_kernel.cu")
-KERNEL_NAME = "rejection_sample_kernel"
+KERNEL_NAMES = {True: "rejection_sample_dense", False: "rejection_sample_point_mass"}  # by `dense`
 THREADS = 256  # RS_THREADS in the .cu file
-MIN_CHUNK = 1024  # vocabulary entries per block: one float4 per thread
-MAX_CHUNK = 8192  # RS_MAX_CHUNK: a thread holds its share of a chunk in registers
+MIN_CHUNK = 1024  # vocabulary entries per chunk: one float4 per thread
+# RS_DENSE_CHUNK / RS_POINT_CHUNK: a thread holds its share of a chunk in registers, and
+# point-mass rows have no p to hold, so their chunks can be twice as long.
+MAX_CHUNK = {True: 4096, False: 8192}
 BLOCKS_PER_SM = 4  # grid sizing target: blocks (and chunks) per multiprocessor
 MAX_GRID_Y = 65535  # rows beyond it are grid-strided inside the kernel
-COMPILE_OPTIONS: tuple[str, ...] = ()  # e.g. ("-DRS_MIN_BLOCKS=3",) for experiments (with MAX_CHUNK in sync)
+COMPILE_OPTIONS: tuple[str, ...] = ()  # e.g. ("-DRS_MIN_BLOCKS_POINT=2",) for experiments
 _PARAMS = struct.Struct("<QqQQQqQQqqqqqqqQQQQ")  # RsParams: 19 fields of 8 bytes
 _PARAMS_DTYPE = np.dtype((np.void, _PARAMS.size))
 
 
 @functools.cache
-def _kernel(device_index: int):
+def _kernels(device_index: int) -> dict:
     import cupy
 
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=SOURCE.read_text(), options=COMPILE_OPTIONS)
-        return module.get_function(KERNEL_NAME)
+        return {dense: module.get_function(name) for dense, name in KERNEL_NAMES.items()}
 
 
 @functools.cache
@@ -68,11 +70,11 @@ def _cupy_stream(stream_ptr: int, device_index: int):
         return cupy.cuda.ExternalStream(stream_ptr, device_index)  # CuPy < 14
 
 
-def chunk_size(batch: int, vocab: int, multiprocessors: int) -> int:
+def chunk_size(batch: int, vocab: int, multiprocessors: int, dense: bool) -> int:
     """Entries per chunk: small enough that B = 1 still spans the GPU (~4 chunks per SM)."""
     per_chunk = -(-batch * vocab // (BLOCKS_PER_SM * multiprocessors))
     rounded = -(-per_chunk // MIN_CHUNK) * MIN_CHUNK
-    return max(MIN_CHUNK, min(MAX_CHUNK, rounded))
+    return max(MIN_CHUNK, min(MAX_CHUNK[dense], rounded))
 
 
 def chunks_per_block(batch: int, num_chunks: int, multiprocessors: int) -> int:
@@ -125,7 +127,8 @@ def rejection_sample_cupy(
     draft_probs = None if draft_probs is None else draft_probs.contiguous()
 
     sms = _multiprocessors(index)
-    chunk = chunk_size(batch, vocab, sms)
+    dense = draft_probs is not None
+    chunk = chunk_size(batch, vocab, sms, dense)
     num_chunks = -(-vocab // chunk)
     per_block = chunks_per_block(batch, num_chunks, sms)
     stream_ptr = torch._C._cuda_getCurrentRawStream(index)  # cheaper than current_stream() objects
@@ -163,5 +166,7 @@ def rejection_sample_cupy(
     )
     grid = (-(-num_chunks // per_block), min(batch, MAX_GRID_Y))
     # A one-element numpy array is passed to the kernel by value: the RsParams struct.
-    _kernel(index)(grid, (THREADS,), (np.frombuffer(params, _PARAMS_DTYPE),), stream=_cupy_stream(stream_ptr, index))
+    _kernels(index)[dense](
+        grid, (THREADS,), (np.frombuffer(params, _PARAMS_DTYPE),), stream=_cupy_stream(stream_ptr, index)
+    )
     return output_token_ids, accepted_token_num

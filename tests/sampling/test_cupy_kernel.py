@@ -58,9 +58,9 @@ def test_non_contiguous_inputs():
     assert_same((draft_ids, draft_probs, wide[..., :4097], target_ids, uniforms, do_sample))
 
 
-def boundary_case(vocab: int, batch: int, uniform: float):
+def boundary_case(vocab: int, batch: int, uniform: float, dense: bool):
     """Residual mass 1/4 at the last entry of the first four kernel chunks (dyadic: exact)."""
-    chunk = chunk_size(batch, vocab, torch.cuda.get_device_properties(0).multi_processor_count)
+    chunk = chunk_size(batch, vocab, torch.cuda.get_device_properties(0).multi_processor_count, dense=dense)
     q = torch.zeros(vocab, device="cuda")
     spikes = [min((c + 1) * chunk, vocab) - 1 for c in range(4)]
     q[spikes] = 0.25
@@ -69,13 +69,18 @@ def boundary_case(vocab: int, batch: int, uniform: float):
     target_ids = torch.full((batch, 2), 7, dtype=torch.int64, device="cuda")
     uniforms = torch.tensor([[0.5, uniform]], device="cuda").expand(batch, 2).contiguous()
     do_sample = torch.ones(batch, dtype=torch.bool, device="cuda")
-    return (draft_ids, None, target_probs, target_ids, uniforms, do_sample), spikes
+    draft_probs = None
+    if dense:  # one-hot at id 0: relu(q - p) is q again, through the dense kernel
+        draft_probs = torch.zeros(batch, 1, vocab, device="cuda")
+        draft_probs[..., 0] = 1.0
+    return (draft_ids, draft_probs, target_probs, target_ids, uniforms, do_sample), spikes
 
 
-@pytest.mark.parametrize(("vocab", "batch"), [(4096, 1), (4096 * 3, 2), (128256, 1), (151936, 5)])
+@pytest.mark.parametrize(("vocab", "batch"), [(4096, 1), (4096 * 3, 2), (128256, 1), (151936, 5), (151936, 64)])
 @pytest.mark.parametrize(("uniform", "spike"), [(0.0, 0), (0.25, 1), (0.5, 2), (0.75, 3), (0.9999, 3)])
-def test_threshold_on_chunk_boundaries_and_last_nonzero(vocab, batch, uniform, spike):
-    args, spikes = boundary_case(vocab, batch, uniform)
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "point-mass"])
+def test_threshold_on_chunk_boundaries_and_last_nonzero(vocab, batch, uniform, spike, dense):
+    args, spikes = boundary_case(vocab, batch, uniform, dense)
     out, emitted = cupy_call(*args)
     # t = u * 1 equals the cumulative mass at the end of a chunk: c > t is strict -> next spike.
     assert out[:, 0].tolist() == [spikes[spike]] * batch
