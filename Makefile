@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: install run test test-gpu compile-kernels bench lint clean
+.PHONY: install run test test-gpu sanitize-gpu bench bench-gpu lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,8 +26,14 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
 
+sanitize-gpu: $(STAMP)
+	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) tests/sampling/sanitize_kernel.py
+
 bench: $(STAMP)
 	$(PY) bench/sampling_cpu.py
+
+bench-gpu: $(STAMP)
+	$(PY) bench/kernel.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -6,7 +6,8 @@ For each (B, K, V) x {dense, point mass}: the CuPy kernel as CUDA-graph replay w
 flushed before each replay (triton do_bench median), its eager per-call time from Python,
 and in the same run the torch reference (eager: it syncs, so it cannot be captured), a
 naive dense torch version (graph replay), the copy/read bandwidth, an empty kernel's
-graph replay time, and the floor = max(empty kernel, minimum bytes / read bandwidth).
+graph replay time, the floor = max(empty kernel, minimum bytes / read bandwidth), and
+torch's own `sum` over that many bytes (a practical floor under the same methodology).
 Writes bench/results/kernel-*.json.
 """
 
@@ -164,6 +165,9 @@ def main() -> None:
                 return_mode="median",
             )
             naive_us = graph_us(lambda a=args: naive_torch(*a))
+            # Practical floor: torch's own streaming reduction over the bytes the kernel must read.
+            same_bytes = torch.rand(minimum_bytes(batch, k, vocab, dense) // 4, device="cuda")
+            sum_us = graph_us(lambda x=same_bytes: x.sum())
             floor = max(
                 ceiling["empty_kernel_graph_us"], minimum_bytes(batch, k, vocab, dense) / ceiling["read_gbps"] / 1e3
             )
