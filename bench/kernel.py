@@ -186,6 +186,7 @@ def main() -> None:
                     "reference_us": reference_us,
                     "naive_graph_us": naive_us,
                     "floor_us": floor,
+                    "sum_same_bytes_us": sum_us,
                     "flashinfer_anchor_us": flashinfer,
                 }
             )
@@ -198,6 +199,8 @@ def main() -> None:
                     f"{kernel_eager:.1f}",
                     f"{floor:.1f}",
                     f"{kernel_graph / floor:.2f}",
+                    f"{sum_us:.1f}",
+                    f"{kernel_graph / sum_us:.2f}",
                     f"{flashinfer}",
                     f"{flashinfer / kernel_graph:.1f}x",
                     f"{reference_us:.0f}",
@@ -214,6 +217,8 @@ def main() -> None:
         "kernel eager µs",
         "floor µs",
         "graph / floor",
+        "torch sum of same bytes µs",
+        "graph / sum",
         "FlashInfer µs (ANCHORS)",
         "vs FlashInfer",
         "torch ref eager µs",

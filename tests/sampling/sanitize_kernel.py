@@ -14,8 +14,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from sampling import rejection_sample  # noqa: E402
-from tests.sampling.gpu_inputs import gpu_inputs  # noqa: E402
+from sampling import rejection_sample
+from tests.sampling.gpu_inputs import gpu_inputs
 
 
 def main() -> None:
