@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: install run test test-gpu sanitize-gpu bench bench-gpu lint clean
+.PHONY: install proto run test test-gpu sanitize-gpu bench bench-gpu lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	touch $@
 
 install: $(STAMP)
+
+# Regenerate the committed protobuf/gRPC code (grpcio-tools pinned in pyproject's dev extra).
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. protos/pdspec.proto
 
 run: $(STAMP)
 	$(PY) -m sampling.demo

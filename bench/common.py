@@ -53,7 +53,7 @@ def median_ms(fn: Callable[[], object], *, warmup: int = 3, repeat: int = 15, sy
     return statistics.median(times)
 
 
-def write_results(name: str, env: dict[str, str], rows: list[dict], table: str) -> Path:
+def write_results(name: str, env: dict[str, str], rows: list[dict] | dict, table: str) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     tag = env.get("gpu", "cpu").replace(" ", "-")
     path = RESULTS / f"{name}-{tag}-{env['date'][:10]}.json"

@@ -14,6 +14,14 @@ from dataclasses import dataclass
 import torch
 
 
+class InvalidParameter(ValueError):
+    """A sampling parameter outside its domain; names the field, expected and actual value."""
+
+    def __init__(self, field: str, expected: str, actual: object) -> None:
+        super().__init__(f"{field}: expected {expected}, got {actual}")
+        self.field, self.expected, self.actual = field, expected, str(actual)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     do_sample: bool = False
@@ -24,13 +32,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature: expected a finite value >= 0, got {self.temperature}")
+            raise InvalidParameter("temperature", "a finite value >= 0", self.temperature)
         if self.top_k < 0:
-            raise ValueError(f"top_k: expected >= 0 (0 disables), got {self.top_k}")
+            raise InvalidParameter("top_k", ">= 0 (0 disables)", self.top_k)
         if not 0.0 <= self.top_p <= 1.0:  # also rejects NaN
-            raise ValueError(f"top_p: expected a value in [0, 1] (0 or 1 disables), got {self.top_p}")
+            raise InvalidParameter("top_p", "a value in [0, 1] (0 or 1 disables)", self.top_p)
         if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed: expected an unsigned 64-bit integer, got {self.seed}")
+            raise InvalidParameter("seed", "an unsigned 64-bit integer", self.seed)
 
     @property
     def is_greedy(self) -> bool:

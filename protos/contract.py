@@ -1,0 +1,72 @@
+"""What prefill and decode must agree on, and its fingerprint.
+
+contract_fingerprint = "sha256:" + hex sha256 of the canonical JSON (sorted keys, no
+spaces) of:
+    {"protocol_version": int, "target_vocab_size": int, "draft_vocab_size": int,
+     "d2t_sha256": hex sha256 of d2t as little-endian int64 bytes,
+     "target_model": str, "draft_model": str,
+     "kv_layout": [[dtype name, [dim, ...]], ...]}   # dims are ints or "seq"
+Anything that changes how one side's bytes are read by the other changes the hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+PROTOCOL_VERSION = 1
+SEQ = "seq"  # placeholder for the prompt length in a KV tensor's shape
+
+
+@dataclass(frozen=True)
+class KvTensorSpec:
+    """One KV tensor the prefill node ships: dtype and shape, SEQ = prompt length."""
+
+    dtype: torch.dtype
+    shape: tuple[int | str, ...]
+
+    def shape_for(self, seq_len: int) -> tuple[int, ...]:
+        return tuple(seq_len if d == SEQ else int(d) for d in self.shape)
+
+
+@dataclass(frozen=True)
+class Contract:
+    target_vocab_size: int
+    draft_vocab_size: int
+    d2t: tuple[int, ...]  # absolute target id of each draft id
+    target_model: str
+    draft_model: str
+    kv_layout: tuple[KvTensorSpec, ...] = ()
+    protocol_version: int = PROTOCOL_VERSION
+
+    def fingerprint(self) -> str:
+        d2t_bytes = torch.tensor(self.d2t, dtype=torch.int64).numpy().astype("<i8").tobytes()
+        canonical = {
+            "protocol_version": self.protocol_version,
+            "target_vocab_size": self.target_vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "d2t_sha256": hashlib.sha256(d2t_bytes).hexdigest(),
+            "target_model": self.target_model,
+            "draft_model": self.draft_model,
+            "kv_layout": [[str(spec.dtype).removeprefix("torch."), list(spec.shape)] for spec in self.kv_layout],
+        }
+        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+    def kv_bytes(self, seq_len: int) -> int:
+        return sum(torch.Size(s.shape_for(seq_len)).numel() * s.dtype.itemsize for s in self.kv_layout)
+
+
+def max_message_bytes(
+    contract: Contract, max_speculative_tokens: int, max_prompt_tokens: int, slack: int = 1 << 20
+) -> int:
+    """gRPC message limit for a DecodeRequest: the largest DENSE proposal, the KV of the
+    longest prompt, the prompt ids and a slack for everything else (protobuf framing,
+    ids, sampling parameters). DENSE at V = 151936, K = 8 alone is 4.9 MB, above gRPC's
+    4 MiB default, so both sides must configure this."""
+    proposal = max_speculative_tokens * contract.draft_vocab_size * 4
+    prompt_ids = max_prompt_tokens * 5  # varint-packed int32, at most 5 bytes each
+    return proposal + contract.kv_bytes(max_prompt_tokens) + prompt_ids + slack

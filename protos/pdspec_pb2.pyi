@@ -1,0 +1,168 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorPB(_message.Message):
+    __slots__ = ("data_type", "shape", "data")
+    class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        DATA_TYPE_UNSPECIFIED: _ClassVar[TensorPB.DataType]
+        FP32: _ClassVar[TensorPB.DataType]
+        FP16: _ClassVar[TensorPB.DataType]
+        BF16: _ClassVar[TensorPB.DataType]
+        INT32: _ClassVar[TensorPB.DataType]
+        INT64: _ClassVar[TensorPB.DataType]
+    DATA_TYPE_UNSPECIFIED: TensorPB.DataType
+    FP32: TensorPB.DataType
+    FP16: TensorPB.DataType
+    BF16: TensorPB.DataType
+    INT32: TensorPB.DataType
+    INT64: TensorPB.DataType
+    DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data_type: TensorPB.DataType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, data_type: _Optional[_Union[TensorPB.DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("do_sample", "temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop_token_ids")
+    DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("encoding", "token_ids", "probs", "sparse_ids", "sparse_probs")
+    class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ENCODING_UNSPECIFIED: _ClassVar[Proposal.Encoding]
+        DENSE: _ClassVar[Proposal.Encoding]
+        POINT_MASS: _ClassVar[Proposal.Encoding]
+        SPARSE: _ClassVar[Proposal.Encoding]
+    ENCODING_UNSPECIFIED: Proposal.Encoding
+    DENSE: Proposal.Encoding
+    POINT_MASS: Proposal.Encoding
+    SPARSE: Proposal.Encoding
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_PROBS_FIELD_NUMBER: _ClassVar[int]
+    encoding: Proposal.Encoding
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: TensorPB
+    sparse_ids: TensorPB
+    sparse_probs: TensorPB
+    def __init__(self, encoding: _Optional[_Union[Proposal.Encoding, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[TensorPB, _Mapping]] = ..., sparse_ids: _Optional[_Union[TensorPB, _Mapping]] = ..., sparse_probs: _Optional[_Union[TensorPB, _Mapping]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "num_speculative_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    num_speculative_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "stats")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finished: bool
+    finish_reason: str
+    stats: RequestStats
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+
+class RequestStats(_message.Message):
+    __slots__ = ("verify_steps", "draft_tokens", "accepted_tokens", "accepted_per_position")
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    verify_steps: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, verify_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "protocol_version", "contract_fingerprint", "prompt_token_ids", "first_token_id", "sampling", "num_speculative_tokens", "proposal", "kv_cache")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    protocol_version: int
+    contract_fingerprint: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token_id: int
+    sampling: SamplingParams
+    num_speculative_tokens: int
+    proposal: Proposal
+    kv_cache: _containers.RepeatedCompositeFieldContainer[TensorPB]
+    def __init__(self, request_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., kv_cache: _Optional[_Iterable[_Union[TensorPB, _Mapping]]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("role", "protocol_version", "contract_fingerprint", "target_vocab_size", "draft_vocab_size", "draft_to_target", "max_speculative_tokens", "sampler_backend", "device", "target_model", "draft_model")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TO_TARGET_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    protocol_version: int
+    contract_fingerprint: str
+    target_vocab_size: int
+    draft_vocab_size: int
+    draft_to_target: _containers.RepeatedScalarFieldContainer[int]
+    max_speculative_tokens: int
+    sampler_backend: str
+    device: str
+    target_model: str
+    draft_model: str
+    def __init__(self, role: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., draft_to_target: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., sampler_backend: _Optional[str] = ..., device: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,80 @@
+"""Proposal encodings: DENSE (default), POINT_MASS and SPARSE (DESIGN.md §3).
+
+All three carry the exact distribution each draft token was drawn from:
+* DENSE: FP32 [K, draft_vocab_size], draft-vocabulary space; a point-mass law ships
+  one-hot rows;
+* POINT_MASS: token ids only, p is one-hot at each token; only for point-mass laws;
+* SPARSE: per row the support of p as INT32 draft ids [K, M] and FP32 probabilities
+  [K, M]; rows with a smaller support are padded with probability 0.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from protos import pdspec_pb2
+from protos.codec import encode_tensor
+from sampling.proposal import DraftLaw
+
+Encoding = pdspec_pb2.Proposal.Encoding
+
+
+class ProposalEncoding(enum.Enum):
+    DENSE = "dense"
+    POINT_MASS = "point-mass"
+    SPARSE = "sparse"
+
+
+def choose_encoding(configured: ProposalEncoding, law: DraftLaw, compact: bool) -> ProposalEncoding:
+    """The operator's encoding, or with `compact` the smallest exact one for the law."""
+    if not compact:
+        return configured
+    return ProposalEncoding.POINT_MASS if law is DraftLaw.POINT_MASS else ProposalEncoding.SPARSE
+
+
+def encode_proposal(
+    target_token_ids: torch.Tensor,  # [K] int, the draft tokens mapped to TARGET ids
+    draft_token_ids: torch.Tensor,  # [K] int, the same tokens as DRAFT ids
+    draft_probs: torch.Tensor | None,  # [K, Vd] float32 the law drew from; None = point mass
+    draft_vocab_size: int,
+    encoding: ProposalEncoding = ProposalEncoding.DENSE,
+    out: pdspec_pb2.Proposal | None = None,
+) -> pdspec_pb2.Proposal:
+    """The Proposal message; pass `out` (e.g. `request.proposal`) to fill it in place."""
+    k = int(target_token_ids.shape[0])
+    proposal = pdspec_pb2.Proposal() if out is None else out
+    proposal.Clear()
+    proposal.token_ids[:] = target_token_ids.tolist()
+    if encoding is ProposalEncoding.POINT_MASS:
+        if draft_probs is not None:
+            raise ValueError("encoding: POINT_MASS is exact only for a point-mass law, got a dense distribution")
+        proposal.encoding = Encoding.POINT_MASS
+        return proposal
+    probs = draft_probs
+    if probs is None:  # point-mass law shipped densely: one-hot rows
+        probs = torch.zeros(k, draft_vocab_size, dtype=torch.float32)
+        probs[torch.arange(k), draft_token_ids.long().cpu()] = 1.0
+    probs = probs.detach().float().cpu()
+    if encoding is ProposalEncoding.DENSE:
+        proposal.encoding = Encoding.DENSE
+        encode_tensor(probs.reshape(k, draft_vocab_size), out=proposal.probs)
+        return proposal
+    ids, values = sparse_support(probs)
+    proposal.encoding = Encoding.SPARSE
+    encode_tensor(ids, out=proposal.sparse_ids)
+    encode_tensor(values, out=proposal.sparse_probs)
+    return proposal
+
+
+def sparse_support(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[K, Vd] -> (ids INT32 [K, M], probs FP32 [K, M]) of each row's nonzero entries,
+    M = the largest support; padding repeats the row's first id with probability 0."""
+    k = probs.shape[0]
+    support = probs > 0
+    width = int(support.sum(-1).max()) if k else 0
+    order = torch.argsort(support.byte(), dim=-1, descending=True, stable=True)[:, :width]  # support first, by id
+    values = probs.gather(1, order)
+    ids = torch.where(values > 0, order, order[:, :1].expand_as(order))
+    return ids.int(), values.float()

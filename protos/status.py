@@ -1,0 +1,56 @@
+"""Validation violations -> a gRPC status with google.rpc BadRequest details (grpcio-status).
+
+Servers call `context.abort_with_status(to_grpc_status(violations, request_id))`; clients
+read the details back with `grpc_status.rpc_status.from_call(err)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from protos.validation import Code, Violation
+
+# FAILED_PRECONDITION (incompatible peer) outranks the others, then RESOURCE_EXHAUSTED.
+_PRIORITY = (Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED, Code.INVALID_ARGUMENT)
+
+
+def status_code(violations: Sequence[Violation]) -> grpc.StatusCode:
+    codes = {v.code for v in violations}
+    return getattr(grpc.StatusCode, next(c for c in _PRIORITY if c in codes).value)
+
+
+def to_grpc_status(violations: Sequence[Violation], request_id: str) -> grpc.Status:
+    """One status for all violations: the most severe code, every field in the details."""
+    if not violations:
+        raise ValueError("violations: expected at least one, got none")
+    code = status_code(violations)
+    bad_request = error_details_pb2.BadRequest(
+        field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description) for v in violations
+        ]
+    )
+    detail = any_pb2.Any()
+    detail.Pack(bad_request)
+    more = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""
+    message = f"request {request_id!r}: {violations[0]}{more}"
+    rich = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=[detail])
+    return rpc_status.to_status(rich)
+
+
+def field_violations(error: grpc.RpcError) -> list[tuple[str, str]]:
+    """(field, description) pairs from a failed call's BadRequest details."""
+    status = rpc_status.from_call(error)
+    if status is None:
+        return []
+    out = []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad_request = error_details_pb2.BadRequest()
+            detail.Unpack(bad_request)
+            out += [(v.field, v.description) for v in bad_request.field_violations]
+    return out

@@ -1,0 +1,288 @@
+"""Validation of a DecodeRequest at the decode boundary (DESIGN.md §3 table).
+
+Pure functions, no gRPC: `validate_decode_request` returns either a `DecodeInput`
+(everything `rejection_sample` and the decode engine need, in target-vocabulary space)
+or a list of `Violation`s (field path, expected, actual, status). Sizes are checked
+against len(data) with integer arithmetic before any tensor is allocated, so the only
+allocations driven by the message are the decoded tensors themselves (bounded by the
+message size) and the target-space probabilities (bounded by the node's K_max x V).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from protos import pdspec_pb2
+from protos.codec import WIRE_DTYPES, TensorDecodeError, decode_tensor, dtype_name
+from protos.contract import Contract
+from sampling import DraftToTargetMap, SamplingParams
+from sampling.params import InvalidParameter
+
+Encoding = pdspec_pb2.Proposal.Encoding
+DataType = pdspec_pb2.TensorPB.DataType
+ROW_SUM_TOLERANCE = 1e-3
+
+
+class Code(enum.Enum):
+    """The gRPC status a violation maps to (names match grpc.StatusCode)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+
+
+@dataclass(frozen=True)
+class Violation:
+    field: str  # path in the request, e.g. "proposal.probs.shape"
+    expected: str
+    actual: str
+    code: Code = Code.INVALID_ARGUMENT
+
+    @property
+    def description(self) -> str:
+        return f"expected {self.expected}, got {self.actual}"
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.description}"
+
+
+@dataclass(frozen=True)
+class Receiver:
+    """What the decode node accepts: its contract, K limit and the validated d2t map."""
+
+    contract: Contract
+    max_speculative_tokens: int
+    d2t_map: DraftToTargetMap
+
+    @classmethod
+    def from_contract(cls, contract: Contract, max_speculative_tokens: int) -> Receiver:
+        d2t = DraftToTargetMap(torch.tensor(contract.d2t, dtype=torch.int64), contract.target_vocab_size)
+        return cls(contract, max_speculative_tokens, d2t)
+
+
+@dataclass(frozen=True)
+class DecodeInput:
+    """A validated DecodeRequest, decoded."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token_id: int
+    params: SamplingParams
+    max_new_tokens: int  # the client's total (0 = server default)
+    stop_token_ids: list[int]
+    draft_token_ids: torch.Tensor  # [K] int64, target ids
+    draft_probs: torch.Tensor | None  # [K, Vt] float32 target space; None = point mass
+    kv_cache: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return int(self.draft_token_ids.shape[0])
+
+
+def validate_decode_request(request: pdspec_pb2.DecodeRequest, receiver: Receiver) -> DecodeInput | list[Violation]:
+    """Every row of the §3 table; returns the decoded input or the violations found."""
+    contract = receiver.contract
+    precondition = _check_contract(request, contract)
+    if precondition:
+        return precondition  # the rest of the message may not even mean what we think
+    found: list[Violation] = []
+    params = _check_sampling(request.sampling, contract.target_vocab_size, found)
+    vocab = contract.target_vocab_size
+    _check_ids("prompt_token_ids", request.prompt_token_ids, vocab, found)
+    _check_ids("first_token_id", [request.first_token_id], vocab, found)
+    k = request.num_speculative_tokens
+    if not 0 <= k <= receiver.max_speculative_tokens:
+        found.append(Violation("num_speculative_tokens", f"0..{receiver.max_speculative_tokens}", str(k)))
+        return found  # K sizes everything below
+    proposal = request.proposal
+    if len(proposal.token_ids) != k:
+        found.append(
+            Violation("proposal.token_ids", f"{k} ids (num_speculative_tokens)", f"{len(proposal.token_ids)} ids")
+        )
+    _check_ids("proposal.token_ids", proposal.token_ids, vocab, found)
+    kv_cache = _decode_kv(request.kv_cache, contract, len(request.prompt_token_ids), found)
+    draft_probs = _decode_proposal(proposal, k, receiver, found)
+    if found:
+        return found
+    draft_token_ids = torch.tensor(list(proposal.token_ids), dtype=torch.int64)
+    if draft_probs is not None and k:
+        _check_support(draft_probs, draft_token_ids, found)
+        if found:
+            return found
+    return DecodeInput(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        first_token_id=request.first_token_id,
+        params=params,
+        max_new_tokens=request.sampling.max_new_tokens,
+        stop_token_ids=list(request.sampling.stop_token_ids),
+        draft_token_ids=draft_token_ids,
+        draft_probs=draft_probs,
+        kv_cache=kv_cache,
+    )
+
+
+def _check_contract(request: pdspec_pb2.DecodeRequest, contract: Contract) -> list[Violation]:
+    found = []
+    if request.protocol_version != contract.protocol_version:
+        found.append(
+            Violation(
+                "protocol_version",
+                str(contract.protocol_version),
+                str(request.protocol_version),
+                Code.FAILED_PRECONDITION,
+            )
+        )
+    if request.contract_fingerprint != contract.fingerprint():
+        found.append(
+            Violation(
+                "contract_fingerprint",
+                contract.fingerprint(),
+                request.contract_fingerprint or "''",
+                Code.FAILED_PRECONDITION,
+            )
+        )
+    return found
+
+
+def _check_sampling(sampling: pdspec_pb2.SamplingParams, vocab: int, found: list[Violation]) -> SamplingParams:
+    seed = sampling.seed if sampling.HasField("seed") else None
+    try:
+        params = SamplingParams(sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, seed)
+    except InvalidParameter as err:
+        found.append(Violation(f"sampling.{err.field}", err.expected, err.actual))
+        params = SamplingParams()
+    if sampling.max_new_tokens < 0:
+        found.append(Violation("sampling.max_new_tokens", ">= 0 (0 = server default)", str(sampling.max_new_tokens)))
+    _check_ids("sampling.stop_token_ids", sampling.stop_token_ids, vocab, found)
+    return params
+
+
+def _check_ids(name: str, ids, vocab: int, found: list[Violation]) -> None:
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        found.append(Violation(name, f"ids in [0, {vocab})", str(bad)))
+
+
+def _decode_checked(
+    name: str, pb: pdspec_pb2.TensorPB, dtype: int, rank: int, shape: list[int] | None, found: list[Violation]
+) -> torch.Tensor | None:
+    """Declared dtype/rank/shape and byte length first (no allocation), then decode."""
+    if pb.data_type != dtype:
+        found.append(Violation(f"{name}.data_type", DataType.Name(dtype), dtype_name(pb.data_type)))
+        return None
+    if len(pb.shape) != rank:
+        found.append(Violation(f"{name}.shape", f"rank {rank}", f"rank {len(pb.shape)} {list(pb.shape)}"))
+        return None
+    if shape is not None and list(pb.shape) != shape:
+        found.append(Violation(f"{name}.shape", str(shape), str(list(pb.shape))))
+        return None
+    try:
+        return decode_tensor(pb)  # checks the byte length against the shape before allocating
+    except TensorDecodeError as err:
+        found.append(Violation(f"{name}.{err.field}", err.expected, err.actual))
+        return None
+
+
+def _decode_proposal(
+    proposal: pdspec_pb2.Proposal, k: int, receiver: Receiver, found: list[Violation]
+) -> torch.Tensor | None:
+    """Target-space [K, Vt] probabilities (DENSE, SPARSE) or None (POINT_MASS)."""
+    vd = receiver.contract.draft_vocab_size
+    has = {name: proposal.HasField(name) for name in ("probs", "sparse_ids", "sparse_probs")}
+    encoding = proposal.encoding
+    allowed = {Encoding.DENSE: {"probs"}, Encoding.POINT_MASS: set(), Encoding.SPARSE: {"sparse_ids", "sparse_probs"}}
+    if encoding not in allowed:
+        name = Encoding.Name(encoding) if encoding in Encoding.values() else str(encoding)
+        found.append(Violation("proposal.encoding", "DENSE, POINT_MASS or SPARSE", name))
+        return None
+    for name, present in has.items():
+        if present and name not in allowed[encoding]:
+            found.append(Violation(f"proposal.{name}", f"absent with {Encoding.Name(encoding)}", "present"))
+        if not present and name in allowed[encoding]:
+            found.append(Violation(f"proposal.{name}", f"present with {Encoding.Name(encoding)}", "absent"))
+    if found or encoding == Encoding.POINT_MASS:
+        return None
+    if encoding == Encoding.DENSE:
+        probs = _decode_checked("proposal.probs", proposal.probs, DataType.FP32, 2, [k, vd], found)
+        if probs is None or not _check_distribution("proposal.probs", probs, found):
+            return None
+        return receiver.d2t_map.map_probs(probs)
+    ids = _decode_checked("proposal.sparse_ids", proposal.sparse_ids, DataType.INT32, 2, None, found)
+    values = _decode_checked("proposal.sparse_probs", proposal.sparse_probs, DataType.FP32, 2, None, found)
+    if ids is None or values is None:
+        return None
+    if ids.shape[0] != k or values.shape != ids.shape:
+        found.append(
+            Violation(
+                "proposal.sparse_probs.shape",
+                f"[{k}, M] matching sparse_ids {list(ids.shape)}",
+                str(list(values.shape)),
+            )
+        )
+        return None
+    if ids.numel() and not bool(((ids >= 0) & (ids < vd)).all()):
+        bad = int(ids[(ids < 0) | (ids >= vd)][0])
+        found.append(Violation("proposal.sparse_ids", f"draft ids in [0, {vd})", str(bad)))
+        return None
+    if not _check_distribution("proposal.sparse_probs", values, found):
+        return None
+    target_ids = receiver.d2t_map.map_tokens(ids)  # [K, M]
+    out = torch.zeros(k, receiver.contract.target_vocab_size, dtype=torch.float32)
+    return out.scatter_add_(1, target_ids, values)  # CPU scatter-add: deterministic
+
+
+def _check_distribution(name: str, probs: torch.Tensor, found: list[Violation]) -> bool:
+    """Finite, non-negative rows that sum to 1 within ROW_SUM_TOLERANCE."""
+    if probs.shape[0] == 0:
+        return True
+    if not bool(torch.isfinite(probs).all()):
+        found.append(Violation(name, "finite probabilities", "NaN or Inf"))
+        return False
+    if bool((probs < 0).any()):
+        found.append(Violation(name, "probabilities >= 0", f"{float(probs.min())}"))
+        return False
+    sums = probs.double().sum(-1)
+    off = (sums - 1).abs()
+    worst = int(off.argmax())
+    if float(off[worst]) > ROW_SUM_TOLERANCE:
+        found.append(
+            Violation(
+                name, f"each row summing to 1 +- {ROW_SUM_TOLERANCE}", f"row {worst} sums to {float(sums[worst]):.6g}"
+            )
+        )
+        return False
+    return True
+
+
+def _check_support(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor, found: list[Violation]) -> None:
+    """Each draft token must have p > 0 in its own (mapped) proposal distribution."""
+    p = draft_probs.gather(1, draft_token_ids[:, None]).squeeze(1)
+    outside = torch.nonzero(p <= 0).flatten()
+    if outside.numel():
+        i = int(outside[0])
+        found.append(
+            Violation(
+                f"proposal.token_ids[{i}]",
+                "a token with p > 0 in its proposal",
+                f"{int(draft_token_ids[i])} with p = 0",
+            )
+        )
+
+
+def _decode_kv(tensors, contract: Contract, prompt_len: int, found: list[Violation]) -> list[torch.Tensor]:
+    specs = contract.kv_layout
+    if len(tensors) != len(specs):
+        found.append(Violation("kv_cache", f"{len(specs)} tensors", f"{len(tensors)} tensors"))
+        return []
+    out = []
+    for i, (pb, spec) in enumerate(zip(tensors, specs, strict=True)):
+        tensor = _decode_checked(
+            f"kv_cache[{i}]", pb, WIRE_DTYPES[spec.dtype], len(spec.shape), list(spec.shape_for(prompt_len)), found
+        )
+        if tensor is not None:
+            out.append(tensor)
+    return out

@@ -1,0 +1,109 @@
+"""The committed generated code matches pdspec.proto, and the fixed fields keep their numbers."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from protos import pdspec_pb2, pdspec_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_generated_code_is_up_to_date(tmp_path):
+    (tmp_path / "protos").mkdir()
+    (tmp_path / "protos" / "pdspec.proto").write_bytes((ROOT / "protos" / "pdspec.proto").read_bytes())
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            str(tmp_path),
+            f"--python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            "protos/pdspec.proto",
+        ],
+        check=True,
+        cwd=tmp_path,
+    )
+    for name in ("pdspec_pb2.py", "pdspec_pb2.pyi", "pdspec_pb2_grpc.py"):
+        fresh = (tmp_path / "protos" / name).read_text()
+        assert fresh == (ROOT / "protos" / name).read_text(), f"protos/{name} is stale: run `make proto`"
+
+
+FIXED = {
+    "TensorPB": {"data_type": 1, "shape": 2, "data": 3},
+    "SamplingParams": {
+        "do_sample": 1,
+        "temperature": 2,
+        "top_k": 3,
+        "top_p": 4,
+        "seed": 5,
+        "max_new_tokens": 6,
+        "stop_token_ids": 7,
+    },
+    "Proposal": {"encoding": 1, "token_ids": 2, "probs": 3, "sparse_ids": 4, "sparse_probs": 5},
+    "GenerateRequest": {
+        "request_id": 1,
+        "prompt": 2,
+        "prompt_token_ids": 3,
+        "sampling": 4,
+        "num_speculative_tokens": 5,
+    },
+    "GenerateResponse": {"request_id": 1, "token_ids": 2, "text": 3, "finished": 4, "finish_reason": 5, "stats": 6},
+    "RequestStats": {"verify_steps": 1, "draft_tokens": 2, "accepted_tokens": 3, "accepted_per_position": 4},
+    "DecodeRequest": {
+        "request_id": 1,
+        "protocol_version": 2,
+        "contract_fingerprint": 3,
+        "prompt_token_ids": 4,
+        "first_token_id": 5,
+        "sampling": 6,
+        "num_speculative_tokens": 7,
+        "proposal": 8,
+        "kv_cache": 9,
+    },
+    "NodeInfo": {
+        "role": 1,
+        "protocol_version": 2,
+        "contract_fingerprint": 3,
+        "target_vocab_size": 4,
+        "draft_vocab_size": 5,
+        "draft_to_target": 6,
+        "max_speculative_tokens": 7,
+        "sampler_backend": 8,
+        "device": 9,
+        "target_model": 10,
+        "draft_model": 11,
+    },
+}
+
+
+def test_fixed_field_numbers():
+    assert pdspec_pb2.DESCRIPTOR.package == "pdspec.v1"
+    for message, fields in FIXED.items():
+        descriptor = pdspec_pb2.DESCRIPTOR.message_types_by_name[message]
+        assert {f.name: f.number for f in descriptor.fields} == fields, message
+
+
+def test_fixed_enums_and_services():
+    assert dict(pdspec_pb2.TensorPB.DataType.items()) == {
+        "DATA_TYPE_UNSPECIFIED": 0,
+        "FP32": 1,
+        "FP16": 2,
+        "BF16": 3,
+        "INT32": 4,
+        "INT64": 5,
+    }
+    assert dict(pdspec_pb2.Proposal.Encoding.items()) == {
+        "ENCODING_UNSPECIFIED": 0,
+        "DENSE": 1,
+        "POINT_MASS": 2,
+        "SPARSE": 3,
+    }
+    services = pdspec_pb2.DESCRIPTOR.services_by_name
+    assert {m.name for m in services["PrefillService"].methods} == {"Generate", "GetInfo"}
+    assert {m.name for m in services["DecodeService"].methods} == {"Decode", "GetInfo"}
+    assert services["DecodeService"].methods_by_name["Decode"].server_streaming
+    assert hasattr(pdspec_pb2_grpc, "DecodeServiceStub") and hasattr(pdspec_pb2_grpc, "PrefillServiceServicer")

@@ -1,0 +1,312 @@
+"""One test per row of the DESIGN.md §3 validation table, plus fuzzing."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import protos.validation as validation
+from protos import pdspec_pb2
+from protos.codec import encode_tensor
+from protos.proposal import ProposalEncoding
+from protos.validation import Code, DecodeInput, validate_decode_request
+from tests.protos.factory import K_MAX, RECEIVER, VD, VT, valid_request
+
+DENSE, POINT_MASS, SPARSE = (pdspec_pb2.Proposal.DENSE, pdspec_pb2.Proposal.POINT_MASS, pdspec_pb2.Proposal.SPARSE)
+
+
+def violations(request):
+    result = validate_decode_request(request, RECEIVER)
+    assert not isinstance(result, DecodeInput), "expected violations"
+    return {v.field: v for v in result}
+
+
+def only(request, field, code=Code.INVALID_ARGUMENT, contains=""):
+    found = violations(request)
+    assert field in found, found
+    assert found[field].code is code
+    assert contains in found[field].description, found[field].description
+    return found[field]
+
+
+def set_probs(request, tensor):
+    request.proposal.probs.CopyFrom(encode_tensor(tensor))
+    return request
+
+
+@pytest.mark.parametrize("encoding", list(ProposalEncoding))
+@pytest.mark.parametrize("k", [0, 1, K_MAX])
+def test_valid_requests_pass(encoding, k):
+    result = validate_decode_request(valid_request(encoding, k=k), RECEIVER)
+    assert isinstance(result, DecodeInput), result
+    assert result.num_speculative_tokens == k and len(result.kv_cache) == 2
+    assert result.kv_cache[0].shape == (2, 5, 4) and result.kv_cache[1].dtype == torch.bfloat16
+
+
+def test_protocol_version_differs():
+    request = valid_request()
+    request.protocol_version = 2
+    v = only(request, "protocol_version", Code.FAILED_PRECONDITION)
+    assert v.expected == "1" and v.actual == "2"
+
+
+def test_contract_fingerprint_differs():
+    request = valid_request()
+    request.contract_fingerprint = "sha256:00"
+    v = only(request, "contract_fingerprint", Code.FAILED_PRECONDITION)
+    assert v.expected == RECEIVER.contract.fingerprint() and v.actual == "sha256:00"
+
+
+def test_encoding_unspecified():
+    request = valid_request()
+    request.proposal.encoding = pdspec_pb2.Proposal.ENCODING_UNSPECIFIED
+    only(request, "proposal.encoding", contains="ENCODING_UNSPECIFIED")
+
+
+def test_dense_without_probs():
+    request = valid_request()
+    request.proposal.ClearField("probs")
+    only(request, "proposal.probs", contains="present with DENSE")
+
+
+def test_point_mass_with_probs():
+    request = valid_request(ProposalEncoding.POINT_MASS)
+    set_probs(request, torch.zeros(3, VD))
+    only(request, "proposal.probs", contains="absent with POINT_MASS")
+
+
+def test_sparse_without_its_tensors():
+    request = valid_request(ProposalEncoding.SPARSE)
+    request.proposal.ClearField("sparse_probs")
+    only(request, "proposal.sparse_probs", contains="present with SPARSE")
+
+
+def test_probs_dtype_not_fp32():
+    request = set_probs(valid_request(), torch.full((3, VD), 1 / VD, dtype=torch.float16))
+    only(request, "proposal.probs.data_type", contains="expected FP32, got FP16")
+
+
+def test_probs_rank_not_2():
+    request = set_probs(valid_request(), torch.full((3, VD, 1), 1 / VD))
+    only(request, "proposal.probs.shape", contains="rank 2")
+
+
+def test_probs_shape_not_k_by_draft_vocab():
+    request = set_probs(valid_request(), torch.full((3, VT), 1 / VT))
+    only(request, "proposal.probs.shape", contains=f"expected [3, {VD}], got [3, {VT}]")
+
+
+def test_data_length_disagrees_with_shape():
+    request = valid_request()
+    request.proposal.probs.data = request.proposal.probs.data[:-4]
+    only(request, "proposal.probs.data", contains=f"{3 * VD * 4} bytes")
+
+
+def test_negative_dims():
+    request = valid_request(ProposalEncoding.SPARSE)
+    del request.proposal.sparse_ids.shape[:]
+    request.proposal.sparse_ids.shape.extend([3, -2])
+    only(request, "proposal.sparse_ids.shape", contains="non-negative")
+
+
+def test_huge_shape_with_12_bytes_is_rejected_without_allocating():
+    request = valid_request(ProposalEncoding.SPARSE)
+    request.proposal.sparse_ids.CopyFrom(
+        pdspec_pb2.TensorPB(data_type=pdspec_pb2.TensorPB.INT32, shape=[10**9, 10**9], data=b"\0" * 12)
+    )
+    only(request, "proposal.sparse_ids.data", contains="4000000000000000000 bytes")
+
+
+@pytest.mark.parametrize(
+    ("value", "contains"), [(float("nan"), "NaN or Inf"), (float("inf"), "NaN or Inf"), (-0.25, "probabilities >= 0")]
+)
+def test_nan_inf_and_negative_probabilities(value, contains):
+    probs = torch.full((3, VD), 1 / VD)
+    probs[1, 2] = value
+    only(set_probs(valid_request(), probs), "proposal.probs", contains=contains)
+
+
+def test_row_sum_off_by_more_than_tolerance():
+    probs = torch.full((3, VD), 1 / VD)
+    probs[2] *= 1.002
+    only(set_probs(valid_request(), probs), "proposal.probs", contains="row 2 sums to 1.002")
+    probs = torch.full((3, VD), 1 / VD)
+    probs[2] *= 1.0005  # within 1e-3: accepted
+    request = set_probs(valid_request(), probs)
+    request.proposal.token_ids[:] = [0, 0, 0]  # target 0 <- draft 1, p > 0
+    assert isinstance(validate_decode_request(request, RECEIVER), DecodeInput)
+
+
+@pytest.mark.parametrize(
+    "field", ["prompt_token_ids", "first_token_id", "proposal.token_ids", "sampling.stop_token_ids"]
+)
+@pytest.mark.parametrize("bad", [-1, VT])
+def test_token_id_outside_vocab(field, bad):
+    request = valid_request()
+    if field == "prompt_token_ids":
+        request.prompt_token_ids[1] = bad
+    elif field == "first_token_id":
+        request.first_token_id = bad
+    elif field == "proposal.token_ids":
+        request.proposal.token_ids[0] = bad
+    else:
+        request.sampling.stop_token_ids.append(bad)
+    only(request, field, contains=f"ids in [0, {VT}), got {bad}")
+
+
+def test_sparse_draft_id_outside_draft_vocab():
+    request = valid_request(ProposalEncoding.SPARSE)
+    ids = torch.frombuffer(bytearray(request.proposal.sparse_ids.data), dtype=torch.int32).clone()
+    ids[0] = VD
+    request.proposal.sparse_ids.data = ids.numpy().tobytes()
+    only(request, "proposal.sparse_ids", contains=f"draft ids in [0, {VD}), got {VD}")
+
+
+@pytest.mark.parametrize("encoding", [ProposalEncoding.DENSE, ProposalEncoding.SPARSE])
+def test_draft_token_outside_its_proposals_support(encoding):
+    request = valid_request(encoding)
+    request.proposal.token_ids[1] = 4  # no draft id maps to target 4: p = 0 after mapping
+    only(request, "proposal.token_ids[1]", contains="4 with p = 0")
+
+
+def test_k_above_max():
+    request = valid_request(k=K_MAX)
+    request.num_speculative_tokens = K_MAX + 1
+    only(request, "num_speculative_tokens", contains=f"0..{K_MAX}, got {K_MAX + 1}")
+
+
+def test_len_token_ids_differs_from_k():
+    request = valid_request(k=3)
+    request.proposal.token_ids.append(0)
+    only(request, "proposal.token_ids", contains="3 ids (num_speculative_tokens), got 4 ids")
+
+
+def test_kv_cache_count_dtype_and_shape():
+    request = valid_request()
+    del request.kv_cache[1]
+    only(request, "kv_cache", contains="2 tensors, got 1 tensors")
+    request = valid_request()
+    request.kv_cache[0].CopyFrom(encode_tensor(torch.zeros(2, 5, 4, dtype=torch.float32)))
+    only(request, "kv_cache[0].data_type", contains="expected FP16, got FP32")
+    request = valid_request()
+    request.kv_cache[1].CopyFrom(encode_tensor(torch.zeros(2, 6, 4, dtype=torch.bfloat16)))  # prompt has 5
+    only(request, "kv_cache[1].shape", contains="expected [2, 5, 4], got [2, 6, 4]")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "contains"),
+    [
+        ("temperature", -0.5, "a finite value >= 0, got -0.5"),
+        ("top_k", -3, ">= 0 (0 disables), got -3"),
+        ("top_p", 1.5, "[0, 1]"),
+        ("max_new_tokens", -1, ">= 0"),
+    ],
+)
+def test_sampling_params_out_of_domain(field, value, contains):
+    request = valid_request()
+    setattr(request.sampling, field, value)
+    only(request, f"sampling.{field}", contains=contains)
+
+
+def test_decoding_does_not_touch_the_request():
+    request = valid_request()
+    before = request.SerializeToString()
+    validate_decode_request(request, RECEIVER)
+    assert request.SerializeToString() == before
+
+
+# Fuzzing: mutated messages give violations or a DecodeInput, never another exception,
+# and wire-driven allocations never exceed the bytes the message carries.
+
+MUTATIONS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [
+                "data_type",
+                "shape_dim",
+                "truncate",
+                "extend",
+                "value",
+                "encoding",
+                "k",
+                "token",
+                "kv_drop",
+                "kv_shape",
+            ]
+        ),
+        st.integers(-3, 2**31),
+        st.floats(allow_nan=True, allow_infinity=True, width=32),
+    ),
+    max_size=4,
+)
+
+
+def mutate(request, op, n, x):
+    proposal = request.proposal
+    tensors = [
+        t for t in (proposal.probs, proposal.sparse_ids, proposal.sparse_probs, *request.kv_cache) if t.ByteSize()
+    ]
+    target = tensors[n % len(tensors)] if tensors else None
+    if op == "data_type" and target is not None:
+        target.data_type = n % 7
+    elif op == "shape_dim" and target is not None and len(target.shape):
+        target.shape[n % len(target.shape)] = n % 11 - 3
+    elif op == "truncate" and target is not None:
+        target.data = target.data[: len(target.data) // 2]
+    elif op == "extend" and target is not None:
+        target.data = target.data + b"\x01" * (n % 9)
+    elif op == "value" and target is not None and len(target.data) >= 4:
+        at = (n % (len(target.data) // 4)) * 4
+        target.data = (
+            target.data[:at] + torch.tensor([x], dtype=torch.float32).numpy().tobytes() + target.data[at + 4 :]
+        )
+    elif op == "encoding":
+        proposal.encoding = n % 5
+    elif op == "k":
+        request.num_speculative_tokens = n % 9 - 2
+    elif op == "token" and len(proposal.token_ids):
+        proposal.token_ids[n % len(proposal.token_ids)] = n % 20 - 4
+    elif op == "kv_drop" and len(request.kv_cache):
+        del request.kv_cache[n % len(request.kv_cache)]
+    elif op == "kv_shape" and len(request.kv_cache):
+        request.kv_cache[0].shape[1] = n % 8
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    encoding=st.sampled_from(list(ProposalEncoding)),
+    k=st.integers(0, K_MAX),
+    seed=st.integers(0, 50),
+    mutations=MUTATIONS,
+)
+def test_fuzzed_messages(monkeypatch, encoding, k, seed, mutations):
+    request = valid_request(encoding, k=k, seed=seed)
+    for op, n, x in mutations:
+        mutate(request, op, n, x)
+    carried = sum(
+        len(t.data)
+        for t in (request.proposal.probs, request.proposal.sparse_ids, request.proposal.sparse_probs, *request.kv_cache)
+    )
+    allocated = []
+    real_decode = validation.decode_tensor
+
+    def counting_decode(pb, device="cpu"):
+        tensor = real_decode(pb, device)
+        allocated.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    monkeypatch.setattr(validation, "decode_tensor", counting_decode)
+    result = validate_decode_request(request, RECEIVER)
+    assert sum(allocated) <= carried
+    if isinstance(result, DecodeInput):
+        k = result.num_speculative_tokens
+        assert result.draft_token_ids.shape == (k,)
+        assert result.draft_probs is None or (
+            result.draft_probs.shape == (k, VT) and math.isclose(float(result.draft_probs.sum()), k, abs_tol=1e-2)
+        )
+    else:
+        assert result and all(v.field and v.expected and v.actual for v in result)
+    if not mutations:
+        assert isinstance(result, DecodeInput)
