@@ -1,0 +1,58 @@
+"""One interface for target and draft models (DESIGN.md §6).
+
+A model maps token-id histories to next-token logits. Its per-request `State` is what
+the verify pass extends, rejection truncates, and the wire ships: `export_state` gives
+tensors (the KV cache; none for models whose state is the token ids alone) that
+`import_state` on the other node turns back into a State without recomputing the prompt.
+Draft models take TARGET-vocabulary ids as input (EAGLE-style: they read the same
+history as the target) and emit logits over their own vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from protos.contract import KvTensorSpec
+
+
+@dataclass
+class State:
+    """A request's history. `tokens` are the ids the model has consumed, in order."""
+
+    tokens: list[int] = field(default_factory=list)
+    kv: object = None  # backend-specific cache; None for the n-gram models
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class CausalLM(Protocol):
+    name: str  # identity that enters the contract fingerprint
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    kv_layout: tuple[KvTensorSpec, ...]
+
+    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, State]:
+        """Consume a non-empty prompt; logits [V] float32 at its last position."""
+
+    def extend(self, state: State, ids: Sequence[int]) -> torch.Tensor:
+        """Consume `ids` after the state; logits [len(ids), V] float32, one row per new
+        position (row i predicts the token after ids[i]). Mutates `state`."""
+
+    def extend_batch(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """extend() for several requests (ragged lengths) in one call."""
+
+    def truncate(self, state: State, length: int) -> None:
+        """Keep the first `length` consumed tokens (drop rejected positions)."""
+
+    def export_state(self, state: State) -> list[torch.Tensor]:
+        """The state as tensors matching `kv_layout` (SEQ = len(state.tokens))."""
+
+    def import_state(self, tensors: Sequence[torch.Tensor], tokens: Sequence[int]) -> State:
+        """Rebuild a State from export_state's tensors and the consumed tokens."""

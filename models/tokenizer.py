@@ -1,0 +1,32 @@
+"""Byte-level tokenizer (ids 0..255 are bytes, then special ids) and incremental detokenizing."""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+
+
+class ByteTokenizer:
+    def __init__(self, special_ids: Sequence[int] = ()) -> None:
+        self.special_ids = frozenset(special_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class IncrementalDetokenizer:
+    """Text of a token stream, piece by piece: a multi-byte UTF-8 character split across
+    tokens is held back until its last byte arrives, never emitted as a replacement.
+    (Bytes that can never form a character still decode to U+FFFD.)"""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: Sequence[int]) -> str:
+        return self._decoder.decode(bytes(i for i in ids if i < 256))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
