@@ -15,6 +15,7 @@ overrides it. Their state is the token ids alone: no KV tensors travel.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sysconfig
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from models.base import State
+from models.pair import ModelPair
 from models.tokenizer import ByteTokenizer
 from protos.contract import KvTensorSpec
 from sampling import DraftToTargetMap
@@ -79,14 +81,22 @@ class NgramModel:
     kv_layout: tuple[KvTensorSpec, ...] = ()
     eos_token_ids: tuple[int, ...]
 
-    def __init__(self, name: str, tables: NgramTables, eos_id: int) -> None:
+    def __init__(self, name: str, tables: NgramTables, eos_id: int, cache_size: int = 1 << 16) -> None:
         self.name = name
         self.tables = tables
         self.vocab_size = tables.vocab
         self.eos_token_ids = (eos_id,)
+        self._probs_for_suffix = functools.lru_cache(maxsize=cache_size)(self._probs_for_suffix)
 
     def next_token_probs(self, history: Sequence[int]) -> np.ndarray:
-        """Exact p(next | history) over the output vocabulary, float64 [V], sums to 1."""
+        """Exact p(next | history) over the output vocabulary, float64 [V], sums to 1.
+
+        Only the last order-1 tokens matter, so results are cached by that suffix (a
+        server sees the same contexts again and again); the array is read-only."""
+        suffix = tuple(int(t) for t in history[max(0, len(history) - self.tables.order + 1) :])
+        return self._probs_for_suffix(suffix)
+
+    def _probs_for_suffix(self, history: tuple[int, ...]) -> np.ndarray:
         t = self.tables
         probs = np.full(t.vocab, 1.0 / t.vocab)
         for n in range(min(t.order, len(history) + 1)):
@@ -99,6 +109,7 @@ class NgramModel:
             counts[t.pair_codes[n][lo:hi] - ctx * t.vocab] = t.pair_counts[n][lo:hi]
             total, types = t.ctx_total[n][i], t.ctx_types[n][i]
             probs = (counts + types * probs) / (total + types)
+        probs.flags.writeable = False
         return probs
 
     def _logits(self, history: Sequence[int]) -> torch.Tensor:
@@ -141,15 +152,6 @@ def _context_code(history: Sequence[int], n: int) -> int:
     return code
 
 
-@dataclass(frozen=True)
-class BuiltinPair:
-    target: NgramModel
-    draft: NgramModel
-    d2t: DraftToTargetMap
-    tokenizer: ByteTokenizer
-    corpus_sha256: str
-
-
 def default_corpus_files() -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     return sorted((p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts), key=lambda p: p.as_posix())
@@ -168,7 +170,7 @@ def corpus_files(corpus: Path | None) -> list[Path]:
     raise ValueError(f"corpus: expected an existing file or directory, got {corpus}")
 
 
-def load_builtin_pair(corpus: Path | None = None, cache_dir: Path | None = None) -> BuiltinPair:
+def load_builtin_pair(corpus: Path | None = None, cache_dir: Path | None = None) -> ModelPair:
     """Train (or load from the cache) the built-in pair on `corpus`."""
     files = corpus_files(corpus)
     tokens = _token_array(files)
@@ -184,12 +186,11 @@ def load_builtin_pair(corpus: Path | None = None, cache_dir: Path | None = None)
         draft_tables = train_tables(tokens, DRAFT_ORDER, len(DRAFT_TO_TARGET), to_draft)
         _save_tables(path, target_tables, draft_tables)
     tag = digest[:12]
-    return BuiltinPair(
+    return ModelPair(
         target=NgramModel(f"pdspec-ngram-target:order{TARGET_ORDER}:corpus-{tag}", target_tables, EOS),
         draft=NgramModel(f"pdspec-ngram-draft:order{DRAFT_ORDER}:corpus-{tag}", draft_tables, 0),
         d2t=DraftToTargetMap(torch.tensor(DRAFT_TO_TARGET), ALPHABET),
         tokenizer=ByteTokenizer(special_ids=(EOS,)),
-        corpus_sha256=digest,
     )
 
 

@@ -91,6 +91,8 @@ def validate_decode_request(request: pdspec_pb2.DecodeRequest, receiver: Receive
     found: list[Violation] = []
     params = _check_sampling(request.sampling, contract.target_vocab_size, found)
     vocab = contract.target_vocab_size
+    if not request.prompt_token_ids:
+        found.append(Violation("prompt_token_ids", "at least 1 id", "0 ids"))
     _check_ids("prompt_token_ids", request.prompt_token_ids, vocab, found)
     _check_ids("first_token_id", [request.first_token_id], vocab, found)
     k = request.num_speculative_tokens

@@ -76,6 +76,10 @@ class SamplingTensors:
     def do_sample(self) -> torch.Tensor:  # [B] bool
         return ~self.greedy
 
+    def select(self, rows: Sequence[int]) -> SamplingTensors:
+        index = torch.tensor(rows, dtype=torch.int64, device=self.greedy.device)
+        return SamplingTensors(self.greedy[index], self.temperature[index], self.top_k[index], self.top_p[index])
+
     def repeat_rows(self, repeats: int) -> SamplingTensors:
         """Each row repeated `repeats` times, for [B, K+1, V] flattened to [B*(K+1), V]."""
         return SamplingTensors(

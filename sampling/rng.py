@@ -8,6 +8,7 @@ moved to the batch's device once.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Sequence
 
@@ -15,14 +16,22 @@ import torch
 
 
 class RequestRng:
-    def __init__(self, seed: int | None = None) -> None:
+    """`stream` separates independent streams of one seed (the prefill and the decode node
+    of a request must not replay each other's uniforms: that would correlate tokens)."""
+
+    def __init__(self, seed: int | None = None, stream: str = "") -> None:
         self.seed = secrets.randbits(63) if seed is None else seed
         self._generator = torch.Generator(device="cpu")
-        self._generator.manual_seed(self.seed)
+        self._generator.manual_seed(_derive(self.seed, stream) if stream else self.seed)
 
     def uniforms(self, n: int) -> torch.Tensor:
         """[n] float32 in [0, 1)."""
         return torch.rand(n, generator=self._generator, dtype=torch.float32)
+
+
+def _derive(seed: int, stream: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{stream}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 def batch_uniforms(rngs: Sequence[RequestRng], n: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -1,6 +1,7 @@
 """One speculative verification step over a batch with mixed sampling parameters.
 
-Glues the d2t map, the target sampler, the per-request RNG and the rejection sampler.
+Glues the target sampler, the per-request RNG and the rejection sampler; the caller maps
+draft distributions to target space first (`DraftToTargetMap.map_probs`).
 Per row and step the request's generator yields 2*(K+1) uniforms in a fixed order:
 K+1 for the target sampler, then K+1 for rejection sampling, so a seeded request gets
 the same tokens whatever else is in the batch.
@@ -8,12 +9,11 @@ the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from sampling.d2t import DraftToTargetMap
 from sampling.params import SamplingParams, SamplingTensors
 from sampling.rejection import Backend, RejectionSampler
 from sampling.rng import RequestRng, batch_uniforms
@@ -44,15 +44,16 @@ class VerifyResult:
 class Verifier:
     """Verifies K drafts per row against the target's K+1 logit rows."""
 
-    def __init__(self, d2t_map: DraftToTargetMap, backend: Backend = "auto", device: torch.device | str = "cpu"):
+    def __init__(self, backend: Backend = "auto", device: torch.device | str = "cpu",
+                 sampler: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.device = torch.device(device)
-        self.d2t_map = d2t_map.to(self.device)
-        self.sampler = RejectionSampler(backend, self.device)
+        # `sampler` replaces the rejection sampler (the tests plug in a deliberately biased one).
+        self.sampler = sampler or RejectionSampler(backend, self.device)
 
     def verify(
         self,
         draft_token_ids: torch.Tensor,  # [B, K] int, TARGET-vocab ids
-        draft_probs: torch.Tensor | None,  # [B, K, Vd] float32 in DRAFT space, None = point mass
+        draft_probs: torch.Tensor | None,  # [B, K, Vt] float32 in TARGET space, None = point mass
         target_logits: torch.Tensor,  # [B, K+1, Vt]
         params: Sequence[SamplingParams],
         rngs: Sequence[RequestRng],
@@ -63,10 +64,9 @@ class Verifier:
         rows = SamplingTensors.from_params(params, self.device)
         uniforms = batch_uniforms(rngs, 2 * (k + 1), self.device)  # [B, 2(K+1)]
         target = sample_target(target_logits, rows, uniforms[:, : k + 1])
-        mapped_probs = None if draft_probs is None else self.d2t_map.map_probs(draft_probs.float())
         output, emitted = self.sampler(
             draft_token_ids.to(self.device),
-            mapped_probs,
+            None if draft_probs is None else draft_probs.to(self.device),
             target.probs,
             target.token_ids,
             uniforms[:, k + 1 :].contiguous(),

@@ -30,7 +30,7 @@ def test_logits_are_log_probabilities(pair):
     logits, _ = pair.target.prefill(ByteTokenizer().encode("return"))
     torch.testing.assert_close(
         torch.softmax(logits, -1).double(),
-        torch.from_numpy(pair.target.next_token_probs(list(b"return"))),
+        torch.tensor(pair.target.next_token_probs(list(b"return"))),
         rtol=0,
         atol=1e-6,
     )

@@ -9,15 +9,16 @@ D2T = torch.tensor([11, 0, 3, 3, 5, 7, 1, 2])  # non-identity, many-to-one (3 <-
 
 
 def step_inputs(batch, seed):
+    """Draft ids (target space), draft probs mapped to target space, target logits."""
     gen = torch.Generator().manual_seed(seed)
     draft_probs = torch.softmax(torch.randn(batch, K, VD, generator=gen), -1)
     draft_ids = D2T[torch.multinomial(draft_probs.view(-1, VD), 1, generator=gen).view(batch, K)]
     logits = torch.randn(batch, K + 1, VT, generator=gen)
-    return draft_ids, draft_probs, logits
+    return draft_ids, DraftToTargetMap(D2T, VT).map_probs(draft_probs), logits
 
 
 def test_seeded_row_is_identical_alone_and_in_any_batch():
-    verifier = Verifier(DraftToTargetMap(D2T, VT), backend="torch")
+    verifier = Verifier(backend="torch")
     params = SamplingParams(do_sample=True, temperature=0.9, seed=1234)
     draft_ids, draft_probs, logits = step_inputs(1, seed=0)
     alone = [verifier.verify(draft_ids, draft_probs, logits, [params], [RequestRng(1234)]).emitted(0) for _ in range(2)]
@@ -33,7 +34,7 @@ def test_seeded_row_is_identical_alone_and_in_any_batch():
 
 
 def test_consecutive_steps_draw_fresh_uniforms():
-    verifier = Verifier(DraftToTargetMap(D2T, VT), backend="torch")
+    verifier = Verifier(backend="torch")
     params = [SamplingParams(do_sample=True, seed=7)] * 64
     rngs = [RequestRng(7 + i) for i in range(64)]
     draft_ids, draft_probs, logits = step_inputs(64, seed=3)
@@ -43,7 +44,7 @@ def test_consecutive_steps_draw_fresh_uniforms():
 
 
 def test_stats_are_consistent_with_outputs():
-    verifier = Verifier(DraftToTargetMap(D2T, VT), backend="torch")
+    verifier = Verifier(backend="torch")
     batch = 40
     params = [SamplingParams(do_sample=b % 3 != 0, top_k=b % 5) for b in range(batch)]
     draft_ids, draft_probs, logits = step_inputs(batch, seed=4)
@@ -56,7 +57,7 @@ def test_stats_are_consistent_with_outputs():
 
 
 def test_greedy_rows_match_target_argmax():
-    verifier = Verifier(DraftToTargetMap(D2T, VT), backend="torch")
+    verifier = Verifier(backend="torch")
     draft_ids, _, logits = step_inputs(16, seed=5)
     draft_ids[:, 0] = logits[:, 0].argmax(-1)  # first draft always right
     result = verifier.verify(draft_ids, None, logits, [SamplingParams()] * 16, [RequestRng(0)] * 16)

@@ -1,0 +1,291 @@
+"""The decode engine: continuous batching of speculative decoding, no gRPC inside.
+
+Each request arrives validated (`protos.validation.DecodeInput`): prompt, first token,
+the prefill's K proposals and the KV state. Every engine step, for all active requests
+at once: the draft proposes K tokens (except on a request's first step, which verifies
+the prefill's proposal), one batched target call scores [last, d1..dK], and one
+verifier call per (K, draft-law) group runs rejection sampling. Emitted tokens go to the
+request's event queue; the servicer streams them.
+
+Token bookkeeping per request: `history` = prompt + every emitted token. The target
+has consumed all of history but its last token; the draft has consumed a prefix of
+history and catches up before it proposes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from models.base import State
+from models.pair import ModelPair
+from pdspec.metrics import NodeMetrics
+from protos.validation import DecodeInput
+from sampling import RequestRng, SamplingTensors, Verifier, propose
+from sampling.proposal import DraftLaw
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_speculative_tokens: int = 8
+    max_batch: int = 32  # requests per engine step
+    max_queue: int = 128  # requests waiting for a batch slot; beyond that: QueueFull
+    draft_law: DraftLaw = DraftLaw.POINT_MASS
+    default_max_new_tokens: int = 64
+    sampler_backend: str = "auto"
+    device: str = "cpu"
+
+
+class QueueFull(Exception):
+    """The engine holds max_batch + max_queue requests already."""
+
+
+@dataclass
+class Stats:
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0  # accepted DRAFT tokens
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Event:
+    tokens: list[int]
+    finished: bool = False
+    finish_reason: str = ""
+    stats: Stats | None = None
+    error: str = ""
+
+
+@dataclass(eq=False)
+class Request:
+    """One in-flight request; the servicer reads `events` and may call engine.cancel."""
+
+    input: DecodeInput
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.monotonic)
+    # Engine-owned from here on.
+    history: list[int] = field(default_factory=list)
+    target_state: State | None = None
+    draft_state: State | None = None
+    rng: RequestRng | None = None
+    remaining: int = 0  # tokens this node may still emit
+    first_step: bool = True
+    stats: Stats = field(default_factory=Stats)
+
+
+@dataclass
+class _Proposal:
+    draft_ids: list[int]  # target ids
+    probs: torch.Tensor | None  # [K, Vt] target space, None = point mass
+
+
+class DecodeEngine:
+    def __init__(self, pair: ModelPair, config: DecodeConfig, metrics: NodeMetrics | None = None,
+                 verifier: Verifier | None = None) -> None:
+        self.pair = pair
+        self.config = config
+        self.metrics = metrics
+        self.verifier = verifier or Verifier(config.sampler_backend, config.device)
+        self.d2t = pair.d2t.to(config.device)
+        self._lock = threading.Condition()
+        self._pending: list[Request] = []
+        self._active: list[Request] = []
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    # -- requests -------------------------------------------------------------------
+    def submit(self, decode_input: DecodeInput) -> Request:
+        request = Request(decode_input)
+        with self._lock:
+            if len(self._pending) + len(self._active) >= self.config.max_batch + self.config.max_queue:
+                raise QueueFull(f"{self.config.max_batch} running and {self.config.max_queue} queued")
+            self._pending.append(request)
+            self._lock.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        request.cancelled.set()  # the engine drops it at its next step, freeing the slot
+
+    @property
+    def load(self) -> int:
+        with self._lock:
+            return len(self._pending) + len(self._active)
+
+    # -- the loop ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._running = False
+            self._lock.notify()
+        if self._thread:
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._running and not self._pending and not self._active:
+                    self._lock.wait()
+                if not self._running:
+                    return
+            self.step()
+
+    def step(self) -> None:
+        """Admit waiting requests, then one speculative step for every active one."""
+        with self._lock:
+            room = self.config.max_batch - len(self._active)
+            admitted, self._pending = self._pending[:room], self._pending[room:]
+        for request in admitted:
+            self._admit(request)
+        live = []
+        for request in self._active + admitted:
+            if request.cancelled.is_set():
+                continue
+            if request.remaining <= 0:
+                self._finish(request, [], "length")
+                continue
+            live.append(request)
+        self._active = live
+        if not live:
+            return
+        try:
+            self._speculate(live)
+        except Exception as err:  # a bug must not take the node down: fail these requests
+            log.exception("decode step failed")
+            for request in live:
+                request.events.put(Event([], finished=True, error=f"decode step failed: {err}"))
+            self._active = []
+        self._active = [r for r in self._active if not r.cancelled.is_set()]
+
+    # -- internals --------------------------------------------------------------------
+    def _admit(self, request: Request) -> None:
+        data = request.input
+        pair = self.pair
+        request.history = [*data.prompt_token_ids, data.first_token_id]
+        request.target_state = pair.target.import_state(data.kv_cache, data.prompt_token_ids)
+        request.draft_state = pair.draft.prefill(data.prompt_token_ids)[1]
+        request.rng = RequestRng(data.params.seed, stream="decode")
+        budget = data.max_new_tokens or self.config.default_max_new_tokens
+        request.remaining = budget - 1  # the prefill node emitted the first token
+        request.stats.accepted_per_position = [0] * data.num_speculative_tokens
+
+    def _speculate(self, requests: list[Request]) -> None:
+        proposals = self._proposals(requests)
+        old_len = {id(r): len(r.history) for r in requests}
+        feeds = [[r.history[-1], *p.draft_ids] for r, p in zip(requests, proposals, strict=True)]
+        logits = self.pair.target.extend_batch([r.target_state for r in requests], feeds)
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i, p in enumerate(proposals):
+            groups.setdefault((len(p.draft_ids), p.probs is None), []).append(i)
+        for (k, point_mass), rows in groups.items():
+            batch = [requests[i] for i in rows]
+            draft_ids = torch.tensor([proposals[i].draft_ids for i in rows], dtype=torch.int64).view(len(rows), k)
+            probs = None if point_mass else torch.stack([proposals[i].probs for i in rows])
+            target_logits = torch.stack([logits[i] for i in rows]).to(self.verifier.device)  # [R, K+1, Vt]
+            result = self.verifier.verify(draft_ids, probs, target_logits,
+                                          [r.input.params for r in batch], [r.rng for r in batch])
+            for row, request in enumerate(batch):
+                emitted = result.emitted(row)
+                self._record(request, k, len(emitted), bool(result.stats.do_sample[row]))
+                self._advance(request, emitted, old_len[id(request)])
+
+    def _proposals(self, requests: list[Request]) -> list[_Proposal]:
+        """The prefill's proposal on a request's first step; else K drafts from the local draft."""
+        out: list[_Proposal | None] = [None] * len(requests)
+        local = []
+        for i, request in enumerate(requests):
+            if request.first_step:
+                request.first_step = False
+                data = request.input
+                out[i] = _Proposal(data.draft_token_ids.tolist(), data.draft_probs)
+            elif request.input.num_speculative_tokens:
+                local.append(i)
+            else:
+                out[i] = _Proposal([], None)
+        if local:
+            for i, proposal in zip(local, self._draft([requests[i] for i in local]), strict=True):
+                out[i] = proposal
+        return out
+
+    def _draft(self, requests: list[Request]) -> list[_Proposal]:
+        """K tokens per request from the draft model, batched over requests, in the law
+        the node is configured with; K draft uniforms per request and step."""
+        draft = self.pair.draft
+        k_max = max(r.input.num_speculative_tokens for r in requests)
+        params = SamplingTensors.from_params([r.input.params for r in requests])
+        uniforms = torch.stack([  # [R, K_max]: each request's K uniforms, zero padded
+            torch.nn.functional.pad(r.rng.uniforms(r.input.num_speculative_tokens),
+                                    (0, k_max - r.input.num_speculative_tokens))
+            for r in requests
+        ])
+        feeds = [r.history[len(r.draft_state.tokens):] for r in requests]  # catch up, ends with `last`
+        ids: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        for step in range(k_max):
+            rows = [i for i, r in enumerate(requests) if step < r.input.num_speculative_tokens]
+            logits = draft.extend_batch([requests[i].draft_state for i in rows], [feeds[i] for i in rows])
+            last = torch.stack([row[-1] for row in logits])  # [R, Vd]
+            sample = propose(self.config.draft_law, last, params.select(rows), uniforms[rows, step])
+            for j, i in enumerate(rows):
+                token = int(sample.token_ids[j])
+                ids[i].append(int(self.d2t.d2t[token]))
+                feeds[i] = [int(self.d2t.d2t[token])]
+                if sample.probs is not None:
+                    probs[i].append(sample.probs[j])
+        return [
+            _Proposal(ids[i], self.d2t.map_probs(torch.stack(probs[i]).to(self.config.device)) if probs[i] else None)
+            for i in range(len(requests))
+        ]
+
+    def _advance(self, request: Request, emitted: Sequence[int], old_len: int) -> None:
+        accepted = len(emitted) - 1
+        self.pair.target.truncate(request.target_state, old_len + accepted)
+        draft_state = request.draft_state
+        self.pair.draft.truncate(draft_state, min(len(draft_state.tokens), old_len + accepted))
+        eos_or_stop = set(self.pair.target.eos_token_ids) | set(request.input.stop_token_ids)
+        out, reason = [], ""
+        for token in emitted:
+            out.append(token)
+            if token in self.pair.target.eos_token_ids:
+                reason = "eos"
+            elif token in eos_or_stop:
+                reason = "stop"
+            if reason or len(out) == request.remaining:
+                break
+        request.history += out
+        request.remaining -= len(out)
+        if not reason and request.remaining == 0:
+            reason = "length"
+        if reason:
+            self._finish(request, out, reason)
+        else:
+            request.events.put(Event(out))
+
+    def _finish(self, request: Request, tokens: list[int], reason: str) -> None:
+        request.events.put(Event(tokens, finished=True, finish_reason=reason, stats=request.stats))
+        request.cancelled.set()  # leaves the batch
+
+    def _record(self, request: Request, k: int, emitted: int, do_sample: bool) -> None:
+        if k == 0:
+            return  # K = 0 verifies nothing
+        stats = request.stats
+        stats.verify_steps += 1
+        stats.draft_tokens += k
+        stats.accepted_tokens += emitted - 1
+        for position in range(emitted - 1):
+            stats.accepted_per_position[position] += 1
+        if self.metrics:
+            self.metrics.record_step(do_sample, k, emitted - 1, emitted)

@@ -1,0 +1,35 @@
+"""A target/draft pair as both nodes load it, and the contract it implies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from models.base import CausalLM, Tokenizer
+from protos.contract import Contract
+from sampling import DraftToTargetMap
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    target: CausalLM
+    draft: CausalLM
+    d2t: DraftToTargetMap  # validated when the pair was loaded
+    tokenizer: Tokenizer  # the target's
+
+    def contract(self) -> Contract:
+        return Contract(
+            target_vocab_size=self.target.vocab_size,
+            draft_vocab_size=self.draft.vocab_size,
+            d2t=tuple(self.d2t.d2t.tolist()),
+            target_model=self.target.name,
+            draft_model=self.draft.name,
+            kv_layout=self.target.kv_layout,
+        )
+
+
+def load_pair(corpus: Path | None = None) -> ModelPair:
+    """The built-in n-gram pair (the embedded default), trained on `corpus`."""
+    from models.ngram import load_builtin_pair
+
+    return load_builtin_pair(corpus)

@@ -1,0 +1,144 @@
+"""The prefill engine: prompt -> first token + K proposals + KV state -> DecodeRequest.
+
+No gRPC inside. The first token is drawn from the target's filtered distribution with the
+request's own generator (stream "prefill"; the decode node draws from stream "decode" of
+the same seed, so the two never replay each other's uniforms). The draft then proposes
+K tokens from history + first token in the configured law, and records the exact
+distribution of each (DENSE / POINT_MASS / SPARSE on the wire).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from models.pair import ModelPair
+from protos import pdspec_pb2
+from protos.codec import encode_tensor
+from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
+from protos.validation import Violation
+from sampling import RequestRng, SamplingParams, SamplingTensors, propose, sample_target
+from sampling.params import InvalidParameter
+from sampling.proposal import DraftLaw
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    draft_law: DraftLaw = DraftLaw.POINT_MASS
+    proposal_encoding: ProposalEncoding = ProposalEncoding.DENSE
+    compact_encodings: bool = False  # pick POINT_MASS / SPARSE automatically (smallest exact)
+    max_speculative_tokens: int = 8  # lowered to the decode peer's when it reports less
+    default_max_new_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.proposal_encoding is ProposalEncoding.POINT_MASS and self.draft_law is not DraftLaw.POINT_MASS:
+            raise ValueError("proposal_encoding: expected dense or sparse for a stochastic draft law "
+                             "(POINT_MASS is exact only for point masses), got point-mass")
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    first_token: int
+    finish_reason: str  # "" while the request goes on to the decode node
+    decode_request: pdspec_pb2.DecodeRequest | None
+    encoding: ProposalEncoding | None
+
+
+class PrefillEngine:
+    def __init__(self, pair: ModelPair, config: PrefillConfig) -> None:
+        self.pair = pair
+        self.config = config
+        self.contract = pair.contract()
+        self.fingerprint = self.contract.fingerprint()
+        self.max_speculative_tokens = config.max_speculative_tokens
+        self._lock = threading.Lock()  # model calls are serialized (models need not be thread-safe)
+
+    def check(self, request: pdspec_pb2.GenerateRequest) -> list[Violation]:
+        """GenerateRequest semantics of DESIGN.md §3, before any model work."""
+        found = []
+        has_text, has_ids = bool(request.prompt), bool(request.prompt_token_ids)
+        if has_text == has_ids:
+            found.append(Violation("prompt", "exactly one of prompt / prompt_token_ids",
+                                   "both" if has_text else "neither"))
+        vocab = self.pair.target.vocab_size
+        for name, ids in (("prompt_token_ids", request.prompt_token_ids),
+                          ("sampling.stop_token_ids", request.sampling.stop_token_ids)):
+            bad = next((i for i in ids if not 0 <= i < vocab), None)
+            if bad is not None:
+                found.append(Violation(name, f"ids in [0, {vocab})", str(bad)))
+        try:
+            _params(request.sampling)
+        except InvalidParameter as err:
+            found.append(Violation(f"sampling.{err.field}", err.expected, err.actual))
+        if request.sampling.max_new_tokens < 0:
+            found.append(Violation("sampling.max_new_tokens", ">= 0 (0 = server default)",
+                                   str(request.sampling.max_new_tokens)))
+        k = request.num_speculative_tokens
+        if not 0 <= k <= self.max_speculative_tokens:
+            found.append(Violation("num_speculative_tokens", f"0..{self.max_speculative_tokens}", str(k)))
+        return found
+
+    def prefill(self, request: pdspec_pb2.GenerateRequest) -> Prefilled:
+        """Run a checked request up to the DecodeRequest (or to its end)."""
+        pair = self.pair
+        params = _params(request.sampling)
+        rng = RequestRng(params.seed, stream="prefill")
+        ids = list(request.prompt_token_ids) or pair.tokenizer.encode(request.prompt)
+        rows = SamplingTensors.from_params([params])
+        with self._lock:
+            logits, target_state = pair.target.prefill(ids)
+            first = int(sample_target(logits.view(1, 1, -1), rows, rng.uniforms(1).view(1, 1)).token_ids[0, 0])
+            budget = request.sampling.max_new_tokens or self.config.default_max_new_tokens
+            reason = _finish_reason(first, pair.target.eos_token_ids, request.sampling.stop_token_ids, budget)
+            if reason:
+                return Prefilled(first, reason, None, None)
+            k = request.num_speculative_tokens
+            draft_ids, draft_probs = self._propose(ids, first, k, rows, rng)
+            kv = pair.target.export_state(target_state)
+        decode = pdspec_pb2.DecodeRequest(
+            request_id=request.request_id, protocol_version=self.contract.protocol_version,
+            contract_fingerprint=self.fingerprint, prompt_token_ids=ids, first_token_id=first,
+            num_speculative_tokens=k)
+        decode.sampling.CopyFrom(request.sampling)
+        decode.sampling.max_new_tokens = budget
+        encoding = choose_encoding(self.config.proposal_encoding, self.config.draft_law, self.config.compact_encodings)
+        encode_proposal(pair.d2t.map_tokens(draft_ids), draft_ids, draft_probs, pair.draft.vocab_size, encoding,
+                        out=decode.proposal)
+        for tensor in kv:
+            encode_tensor(tensor, out=decode.kv_cache.add())
+        return Prefilled(first, "", decode, encoding)
+
+    def _propose(self, ids: list[int], first: int, k: int, rows: SamplingTensors,
+                 rng: RequestRng) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K draft-space tokens and, for a stochastic law, their distributions [K, Vd]."""
+        draft = self.pair.draft
+        uniforms = rng.uniforms(k)  # drawn for either law, so the stream does not depend on it
+        tokens, probs = [], []
+        if k:
+            _, state = draft.prefill(ids)
+            feed = [first]
+            for i in range(k):
+                logits = draft.extend(state, feed)[-1:]  # [1, Vd]
+                sample = propose(self.config.draft_law, logits, rows, uniforms[i : i + 1])
+                token = int(sample.token_ids[0])
+                tokens.append(token)
+                if sample.probs is not None:
+                    probs.append(sample.probs[0])
+                feed = [int(self.pair.d2t.d2t[token])]
+        draft_ids = torch.tensor(tokens, dtype=torch.int64)
+        return draft_ids, (torch.stack(probs) if probs else None)
+
+
+def _params(sampling: pdspec_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p,
+                          sampling.seed if sampling.HasField("seed") else None)
+
+
+def _finish_reason(token: int, eos: tuple[int, ...], stop: list[int], budget: int) -> str:
+    if token in eos:
+        return "eos"
+    if token in stop:
+        return "stop"
+    return "length" if budget <= 1 else ""
