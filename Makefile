@@ -22,7 +22,7 @@ proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. protos/pdspec.proto
 
 run: $(STAMP)
-	$(PY) -m sampling.demo
+	$(PY) -m pdspec.local
 
 test: $(STAMP)
 	$(PY) -m pytest -q
