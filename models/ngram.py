@@ -87,6 +87,7 @@ class NgramModel:
         self.vocab_size = tables.vocab
         self.eos_token_ids = (eos_id,)
         self._probs_for_suffix = functools.lru_cache(maxsize=cache_size)(self._probs_for_suffix)
+        self._logits_for_suffix = functools.lru_cache(maxsize=cache_size)(self._log_probs)
 
     def next_token_probs(self, history: Sequence[int]) -> np.ndarray:
         """Exact p(next | history) over the output vocabulary, float64 [V], sums to 1.
@@ -113,13 +114,19 @@ class NgramModel:
         return probs
 
     def _logits(self, history: Sequence[int]) -> torch.Tensor:
-        return torch.from_numpy(np.log(self.next_token_probs(history))).float()
+        suffix = tuple(int(t) for t in history[max(0, len(history) - self.tables.order + 1) :])
+        return self._logits_for_suffix(suffix)
+
+    def _log_probs(self, suffix: tuple[int, ...]) -> torch.Tensor:
+        logits = torch.from_numpy(np.log(self._probs_for_suffix(suffix))).float()
+        logits.requires_grad_(False)
+        return logits
 
     def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, State]:
         if not ids:
             raise ValueError("ids: expected a non-empty prompt, got []")
         state = State(tokens=list(ids))
-        return self._logits(state.tokens), state
+        return self._logits(state.tokens).clone(), state
 
     def extend(self, state: State, ids: Sequence[int]) -> torch.Tensor:
         rows = []

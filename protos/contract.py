@@ -11,6 +11,7 @@ Anything that changes how one side's bytes are read by the other changes the has
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -43,21 +44,26 @@ class Contract:
     protocol_version: int = PROTOCOL_VERSION
 
     def fingerprint(self) -> str:
-        d2t_bytes = torch.tensor(self.d2t, dtype=torch.int64).numpy().astype("<i8").tobytes()
-        canonical = {
-            "protocol_version": self.protocol_version,
-            "target_vocab_size": self.target_vocab_size,
-            "draft_vocab_size": self.draft_vocab_size,
-            "d2t_sha256": hashlib.sha256(d2t_bytes).hexdigest(),
-            "target_model": self.target_model,
-            "draft_model": self.draft_model,
-            "kv_layout": [[str(spec.dtype).removeprefix("torch."), list(spec.shape)] for spec in self.kv_layout],
-        }
-        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
-        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+        return _fingerprint(self)
 
     def kv_bytes(self, seq_len: int) -> int:
         return sum(torch.Size(s.shape_for(seq_len)).numel() * s.dtype.itemsize for s in self.kv_layout)
+
+
+@functools.lru_cache(maxsize=64)  # contracts are immutable; validation asks on every request
+def _fingerprint(contract: Contract) -> str:
+    d2t_bytes = torch.tensor(contract.d2t, dtype=torch.int64).numpy().astype("<i8").tobytes()
+    canonical = {
+        "protocol_version": contract.protocol_version,
+        "target_vocab_size": contract.target_vocab_size,
+        "draft_vocab_size": contract.draft_vocab_size,
+        "d2t_sha256": hashlib.sha256(d2t_bytes).hexdigest(),
+        "target_model": contract.target_model,
+        "draft_model": contract.draft_model,
+        "kv_layout": [[str(spec.dtype).removeprefix("torch."), list(spec.shape)] for spec in contract.kv_layout],
+    }
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def max_message_bytes(

@@ -29,7 +29,12 @@ def inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[t
     """
     weights = weights.contiguous()
     _rows, vocab = weights.shape
-    width = min(CHUNK, vocab)
+    if vocab <= CHUNK:  # a single chunk: the plain rule, fewer ops for small vocabularies
+        cdf = weights.double().cumsum(-1)  # [N, V]
+        threshold = uniforms.double() * cdf[:, -1]
+        positive = weights > 0
+        return _first_or_last(positive & (cdf > threshold[:, None]), positive), cdf[:, -1] > 0
+    width = CHUNK
     chunk_sums = _chunk_sums(weights, width)  # [N, C] float64
     chunk_cdf = chunk_sums.cumsum(-1)  # [N, C]
     total = chunk_cdf[:, -1]

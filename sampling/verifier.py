@@ -44,8 +44,12 @@ class VerifyResult:
 class Verifier:
     """Verifies K drafts per row against the target's K+1 logit rows."""
 
-    def __init__(self, backend: Backend = "auto", device: torch.device | str = "cpu",
-                 sampler: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None):
+    def __init__(
+        self,
+        backend: Backend = "auto",
+        device: torch.device | str = "cpu",
+        sampler: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ):
         self.device = torch.device(device)
         # `sampler` replaces the rejection sampler (the tests plug in a deliberately biased one).
         self.sampler = sampler or RejectionSampler(backend, self.device)

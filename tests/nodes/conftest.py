@@ -1,0 +1,67 @@
+import contextlib
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from decode_node.engine import DecodeConfig
+from decode_node.server import DecodeNodeConfig
+from decode_node.server import run_server as run_decode
+from models.pair import load_pair
+from pdspec.client import Client
+from prefill_node.engine import PrefillConfig
+from prefill_node.server import PrefillNodeConfig
+from prefill_node.server import run_server as run_prefill
+
+
+@pytest.fixture(scope="session")
+def pair():
+    return load_pair()
+
+
+def wait_until(predicate, timeout=10.0, what="condition"):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def health_status(port: int, service: str = "") -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            return (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                .status
+            )
+        except grpc.RpcError:
+            return -1
+
+
+@contextlib.contextmanager
+def cluster(pair, decode_config: DecodeConfig | None = None, prefill_config: PrefillConfig | None = None):
+    """A decode and a prefill node on loopback, ports chosen by the OS, ready to serve."""
+    with run_decode(
+        DecodeNodeConfig(host="127.0.0.1", port=0, metrics_port=0, engine=decode_config or DecodeConfig()), lambda: pair
+    ) as decode:
+        config = PrefillNodeConfig(
+            decode_addr=f"127.0.0.1:{decode.port}",
+            host="127.0.0.1",
+            port=0,
+            metrics_port=0,
+            engine=prefill_config or PrefillConfig(),
+            peer_check_s=0.2,
+        )
+        with run_prefill(config, lambda: pair) as prefill:
+            wait_until(lambda: prefill.peer.compatible, what="decode peer")
+            with Client(f"127.0.0.1:{prefill.port}") as client:
+                yield client, prefill, decode
+
+
+@pytest.fixture(scope="module")
+def nodes(pair):
+    with cluster(pair) as running:
+        yield running
