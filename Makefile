@@ -24,8 +24,9 @@ proto: $(STAMP)
 run: $(STAMP)
 	$(PY) -m pdspec.local
 
+# Two workers: the statistical end-to-end tests dominate and parallelise across cores.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
