@@ -7,12 +7,11 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: install proto run test test-gpu sanitize-gpu bench bench-gpu lint clean
+.PHONY: install proto run up up-local test test-gpu sanitize-gpu bench bench-gpu lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml deploy/install.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	deploy/install.sh $(PY) "$(TORCH_SPEC)" "$(EXTRAS)" editable
 	touch $@
 
 install: $(STAMP)
@@ -23,6 +22,15 @@ proto: $(STAMP)
 
 run: $(STAMP)
 	$(PY) -m pdspec.local
+
+# The docker-compose PD stack (decode, prefill, Prometheus, Grafana) where Docker runs.
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+up:
+	$(COMPOSE) -f deploy/docker-compose.yml up --build
+
+# The same topology as local processes, with the decode node's /metrics read every 10 s.
+up-local: $(STAMP)
+	$(PY) -m pdspec.local --scrape-every 10
 
 # Two workers: the statistical end-to-end tests dominate and parallelise across cores.
 test: $(STAMP)
@@ -36,6 +44,8 @@ sanitize-gpu: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/sampling_cpu.py
+	$(PY) bench/wire.py
+	$(PY) bench/e2e.py
 
 bench-gpu: $(STAMP)
 	$(PY) bench/kernel.py

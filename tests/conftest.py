@@ -1,7 +1,14 @@
 import pytest
 import torch
 
+from models.pair import load_pair
 from sampling.rejection import cupy_available
+
+
+@pytest.fixture(scope="session")
+def pair():
+    """The built-in model pair (trained once, then read from the cache)."""
+    return load_pair()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,16 +8,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from decode_node.engine import DecodeConfig
 from decode_node.server import DecodeNodeConfig
 from decode_node.server import run_server as run_decode
-from models.pair import load_pair
 from pdspec.client import Client
 from prefill_node.engine import PrefillConfig
 from prefill_node.server import PrefillNodeConfig
 from prefill_node.server import run_server as run_prefill
-
-
-@pytest.fixture(scope="session")
-def pair():
-    return load_pair()
 
 
 def wait_until(predicate, timeout=10.0, what="condition"):

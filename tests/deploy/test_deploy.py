@@ -1,0 +1,124 @@
+"""The deployment files agree with the code: compose validates, the dashboard and alert
+rules only use metrics a running node exports, Prometheus scrapes the nodes' ports, and
+every image installs pdspec with the same script CI runs."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from decode_node.__main__ import parse_args as decode_args
+from pdspec import healthcheck
+from prefill_node.__main__ import parse_args as prefill_args
+from tests.nodes.conftest import cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+DOCKERFILES = ["Dockerfile", "Dockerfile.cuda", "Dockerfile.rocm"]
+
+
+def compose() -> str:
+    path = shutil.which("docker-compose")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("docker-compose not found: CI must validate the compose files (see .ci/run)")
+        pytest.skip("docker-compose is not installed on this machine")
+    return path
+
+
+@pytest.mark.parametrize("override", [None, "docker-compose.gpu.yml", "docker-compose.rocm.yml"])
+def test_compose_files_validate(override):
+    files = ["-f", str(DEPLOY / "docker-compose.yml")] + (["-f", str(DEPLOY / override)] if override else [])
+    result = subprocess.run([compose(), *files, "config"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    assert set(config["services"]) == {"decode", "prefill", "prometheus", "grafana"}
+    prefill = config["services"]["prefill"]
+    assert prefill["environment"]["PDSPEC_PREFILL_DECODE_ADDR"] == "dns:///decode:50052"
+    assert prefill["depends_on"]["decode"]["condition"] == "service_healthy"
+    if override == "docker-compose.gpu.yml":
+        devices = config["services"]["decode"]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+    if override == "docker-compose.rocm.yml":
+        decode = config["services"]["decode"]
+        assert {"/dev/kfd", "/dev/dri"} <= {d.split(":")[0] for d in decode["devices"]}
+        assert decode["group_add"] == ["video"]
+
+
+def referenced_metrics() -> set[str]:
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pdspec.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    rules = yaml.safe_load((DEPLOY / "alerts.yml").read_text())
+    exprs += [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    return {name for expr in exprs for name in re.findall(r"\bpdspec_[a-z_]+", expr)}
+
+
+def exported(port: int) -> set[str]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_dashboard_and_alerts_use_only_exported_metrics(pair):
+    with cluster(pair) as (client, prefill, decode):
+        client.generate("import ", seed=1, max_new_tokens=20)
+        names = exported(prefill.metrics_port) | exported(decode.metrics_port)
+    referenced = referenced_metrics()
+    assert len(referenced) >= 10
+    assert referenced <= names, referenced - names
+    for fixed in (
+        "pdspec_spec_verify_steps_total",
+        "pdspec_spec_draft_tokens_total",
+        "pdspec_spec_accepted_tokens_total",
+        "pdspec_spec_emitted_tokens_total",
+        "pdspec_spec_accepted_tokens_per_position_total",
+        "pdspec_spec_accept_length_bucket",
+    ):
+        assert fixed in names
+
+
+def test_prometheus_scrapes_the_nodes_metrics_ports():
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["pdspec-prefill"]["static_configs"][0]["targets"] == [f"prefill:{prefill_args([]).metrics_port}"]
+    decode_sd = jobs["pdspec-decode"]["dns_sd_configs"][0]
+    assert decode_sd["names"] == ["decode"] and decode_sd["port"] == decode_args([]).metrics_port == 9402
+    assert prefill_args([]).metrics_port == 9401
+
+
+def test_images_install_with_the_script_ci_runs():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "deploy/install.sh $(PY)" in makefile
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    for name in DOCKERFILES:
+        text = (DEPLOY / name).read_text()
+        assert "deploy/install.sh /opt/pdspec/bin/python" in text, name
+        assert text.count("\nFROM ") + text.startswith("FROM ") >= 2, f"{name}: multi-stage"
+        assert "grpc_tools.protoc" in text, f"{name}: protos generated in the build"
+        assert re.search(r"^USER pdspec$", text, re.M), f"{name}: non-root user"
+        assert "HEALTHCHECK" in text and "pdspec.healthcheck" in text, name
+
+
+def test_env_variables_configure_the_nodes(monkeypatch):
+    monkeypatch.setenv("PDSPEC_DECODE_PORT", "6000")
+    monkeypatch.setenv("PDSPEC_DECODE_DRAFT_SAMPLING", "stochastic")
+    monkeypatch.setenv("PDSPEC_PREFILL_DECODE_ADDR", "dns:///decode:50052")
+    monkeypatch.setenv("PDSPEC_PREFILL_COMPACT_ENCODINGS", "true")
+    decode = decode_args([])
+    assert decode.port == 6000 and decode.engine.draft_law.value == "stochastic"
+    assert decode_args(["--port", "7000"]).port == 7000  # the command line wins
+    prefill = prefill_args([])
+    assert prefill.decode_addr == "dns:///decode:50052" and prefill.engine.compact_encodings
+
+
+def test_healthcheck_command(pair):
+    with cluster(pair) as (_, prefill, decode):
+        assert healthcheck.main(["--addr", f"127.0.0.1:{decode.port}"]) == 0
+        assert healthcheck.main(["--addr", f"127.0.0.1:{prefill.port}", "--service", "pdspec.v1.PrefillService"]) == 0
+    assert healthcheck.main(["--addr", "127.0.0.1:1", "--timeout", "0.5"]) == 1
