@@ -34,7 +34,7 @@ up-local: $(STAMP)
 
 # Two workers: the statistical end-to-end tests dominate and parallelise across cores.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
