@@ -90,8 +90,13 @@ class _Proposal:
 
 
 class DecodeEngine:
-    def __init__(self, pair: ModelPair, config: DecodeConfig, metrics: NodeMetrics | None = None,
-                 verifier: Verifier | None = None) -> None:
+    def __init__(
+        self,
+        pair: ModelPair,
+        config: DecodeConfig,
+        metrics: NodeMetrics | None = None,
+        verifier: Verifier | None = None,
+    ) -> None:
         self.pair = pair
         self.config = config
         self.metrics = metrics
@@ -195,8 +200,9 @@ class DecodeEngine:
             draft_ids = torch.tensor([proposals[i].draft_ids for i in rows], dtype=torch.int64).view(len(rows), k)
             probs = None if point_mass else torch.stack([proposals[i].probs for i in rows])
             target_logits = torch.stack([logits[i] for i in rows]).to(self.verifier.device)  # [R, K+1, Vt]
-            result = self.verifier.verify(draft_ids, probs, target_logits,
-                                          [r.input.params for r in batch], [r.rng for r in batch])
+            result = self.verifier.verify(
+                draft_ids, probs, target_logits, [r.input.params for r in batch], [r.rng for r in batch]
+            )
             for row, request in enumerate(batch):
                 emitted = result.emitted(row)
                 self._record(request, k, len(emitted), bool(result.stats.do_sample[row]))
@@ -226,12 +232,15 @@ class DecodeEngine:
         draft = self.pair.draft
         k_max = max(r.input.num_speculative_tokens for r in requests)
         params = SamplingTensors.from_params([r.input.params for r in requests])
-        uniforms = torch.stack([  # [R, K_max]: each request's K uniforms, zero padded
-            torch.nn.functional.pad(r.rng.uniforms(r.input.num_speculative_tokens),
-                                    (0, k_max - r.input.num_speculative_tokens))
-            for r in requests
-        ])
-        feeds = [r.history[len(r.draft_state.tokens):] for r in requests]  # catch up, ends with `last`
+        uniforms = torch.stack(
+            [  # [R, K_max]: each request's K uniforms, zero padded
+                torch.nn.functional.pad(
+                    r.rng.uniforms(r.input.num_speculative_tokens), (0, k_max - r.input.num_speculative_tokens)
+                )
+                for r in requests
+            ]
+        )
+        feeds = [r.history[len(r.draft_state.tokens) :] for r in requests]  # catch up, ends with `last`
         ids: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         for step in range(k_max):

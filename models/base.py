@@ -30,6 +30,8 @@ class State:
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
+    def incremental(self):
+        """A fresh incremental detokenizer: push(ids) -> new text, flush() -> the rest."""
 
 
 class CausalLM(Protocol):

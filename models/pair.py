@@ -28,8 +28,20 @@ class ModelPair:
         )
 
 
-def load_pair(corpus: Path | None = None) -> ModelPair:
-    """The built-in n-gram pair (the embedded default), trained on `corpus`."""
+def load_pair(
+    corpus: Path | None = None, target_model: Path | None = None, draft_model: Path | None = None, device: str = "cpu"
+) -> ModelPair:
+    """HF checkpoints when both directories are given; else the built-in n-gram pair
+    (the embedded default) trained on `corpus`."""
+    if (target_model is None) != (draft_model is None):
+        raise ValueError(
+            f"models: expected both --target-model and --draft-model or neither, got "
+            f"target={target_model} draft={draft_model}"
+        )
+    if target_model is not None:
+        from models.hf import load_hf_pair
+
+        return load_hf_pair(target_model, draft_model, device=device)
     from models.ngram import load_builtin_pair
 
     return load_builtin_pair(corpus)

@@ -16,6 +16,9 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def incremental(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer()
+
 
 class IncrementalDetokenizer:
     """Text of a token stream, piece by piece: a multi-byte UTF-8 character split across
@@ -30,3 +33,27 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
+
+
+class IncrementalTextDecoder:
+    """The same contract for any tokenizer with `decode`: decode the whole stream, emit what
+    is new, and hold back a trailing U+FFFD (an incomplete character) until it resolves."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, ids: Sequence[int]) -> str:
+        self.ids += list(ids)
+        text = self.tokenizer.decode(self.ids)
+        ready = len(text.rstrip("\ufffd"))
+        if ready <= self.emitted:
+            return ""
+        piece, self.emitted = text[self.emitted : ready], ready
+        return piece
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        piece, self.emitted = text[self.emitted :], len(text)
+        return piece

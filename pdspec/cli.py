@@ -15,27 +15,36 @@ from pdspec.config import EnvArgumentParser
 
 def main(argv: list[str] | None = None) -> int:
     parser = EnvArgumentParser("cli", prog="pdspec", description="pdspec command line")
-    commands = parser.add_subparsers(dest="command", required=True,
-                                     parser_class=functools.partial(EnvArgumentParser, "cli"))
+    commands = parser.add_subparsers(
+        dest="command", required=True, parser_class=functools.partial(EnvArgumentParser, "cli")
+    )
 
     gen = commands.add_parser("generate", help="stream text from the prefill node")
-    _flags(gen, [
-        ("--prefill-addr", {"default": "localhost:50051", "help": "prefill node"}),
-        ("--max-new-tokens", {"default": 64, "type": int, "help": "tokens to generate (the first included)"}),
-        ("--temperature", {"default": 1.0, "type": float, "help": "sampling temperature"}),
-        ("--top-k", {"default": 0, "type": int, "help": "top-k (0 = off)"}),
-        ("--top-p", {"default": 1.0, "type": float, "help": "top-p (1 = off)"}),
-        ("--seed", {"default": None, "type": int, "help": "request seed (reproducible output)"}),
-        ("--greedy", {"default": False, "type": bool, "help": "argmax decoding"}),
-        ("--num-spec-tokens", {"default": 4, "type": int, "help": "draft tokens per step K (0 = off)"}),
-        ("--stats", {"default": False, "type": bool, "help": "print acceptance per position and tokens/s"}),
-        ("--timeout", {"default": 60.0, "type": float, "help": "deadline in seconds"}),
-    ])
+    _flags(
+        gen,
+        [
+            ("--prefill-addr", {"default": "localhost:50051", "help": "prefill node"}),
+            ("--max-new-tokens", {"default": 64, "type": int, "help": "tokens to generate (the first included)"}),
+            ("--temperature", {"default": 1.0, "type": float, "help": "sampling temperature"}),
+            ("--top-k", {"default": 0, "type": int, "help": "top-k (0 = off)"}),
+            ("--top-p", {"default": 1.0, "type": float, "help": "top-p (1 = off)"}),
+            ("--seed", {"default": None, "type": int, "help": "request seed (reproducible output)"}),
+            ("--greedy", {"default": False, "type": bool, "help": "argmax decoding"}),
+            ("--num-spec-tokens", {"default": 4, "type": int, "help": "draft tokens per step K (0 = off)"}),
+            ("--stats", {"default": False, "type": bool, "help": "print acceptance per position and tokens/s"}),
+            ("--timeout", {"default": 60.0, "type": float, "help": "deadline in seconds"}),
+        ],
+    )
     gen.add_argument("prompt", help="prompt text")
 
     info = commands.add_parser("info", help="show both nodes' GetInfo")
-    _flags(info, [("--prefill-addr", {"default": "localhost:50051", "help": "prefill node"}),
-                          ("--decode-addr", {"default": "localhost:50052", "help": "decode node"})])
+    _flags(
+        info,
+        [
+            ("--prefill-addr", {"default": "localhost:50051", "help": "prefill node"}),
+            ("--decode-addr", {"default": "localhost:50052", "help": "decode node"}),
+        ],
+    )
     commands.add_parser("demo", help="rejection-sampling demo (no servers needed)", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
@@ -62,10 +71,17 @@ def _generate(args) -> int:
     started = time.monotonic()
     with Client(args.prefill_addr) as client:
         tokens, stats = 0, None
-        for response in client.stream(args.prompt, max_new_tokens=args.max_new_tokens, greedy=args.greedy,
-                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                      seed=args.seed, num_speculative_tokens=args.num_spec_tokens,
-                                      timeout=args.timeout):
+        for response in client.stream(
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            greedy=args.greedy,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            num_speculative_tokens=args.num_spec_tokens,
+            timeout=args.timeout,
+        ):
             print(response.text, end="", flush=True)
             tokens += len(response.token_ids)
             if response.finished:
@@ -74,8 +90,10 @@ def _generate(args) -> int:
     if args.stats and stats is not None:
         elapsed = time.monotonic() - started
         rate = stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0
-        print(f"tokens: {tokens} in {elapsed:.2f}s ({tokens / elapsed:.1f} tokens/s); verify steps: "
-              f"{stats.verify_steps}; acceptance: {rate:.3f}")
+        print(
+            f"tokens: {tokens} in {elapsed:.2f}s ({tokens / elapsed:.1f} tokens/s); verify steps: "
+            f"{stats.verify_steps}; acceptance: {rate:.3f}"
+        )
         for position, count in enumerate(stats.accepted_per_position):
             print(f"  position {position}: accepted {count}/{stats.verify_steps}")
     return 0

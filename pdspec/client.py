@@ -51,14 +51,23 @@ class Client:
         timeout: float | None = 60.0,
     ) -> Iterator[pdspec_pb2.GenerateResponse]:
         """The raw response stream; cancel it by closing the iterator."""
-        sampling = pdspec_pb2.SamplingParams(do_sample=not greedy, temperature=temperature, top_k=top_k,
-                                             top_p=top_p, max_new_tokens=max_new_tokens,
-                                             stop_token_ids=list(stop_token_ids))
+        sampling = pdspec_pb2.SamplingParams(
+            do_sample=not greedy,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=list(stop_token_ids),
+        )
         if seed is not None:
             sampling.seed = seed
-        request = pdspec_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt or "",
-                                             prompt_token_ids=list(prompt_token_ids), sampling=sampling,
-                                             num_speculative_tokens=num_speculative_tokens)
+        request = pdspec_pb2.GenerateRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt=prompt or "",
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            num_speculative_tokens=num_speculative_tokens,
+        )
         return self.stub.Generate(request, timeout=timeout)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Generation:

@@ -25,6 +25,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
         if raw is not None:
             default = raw.lower() in ("1", "true", "yes", "on") if type is bool else type(raw)
         if type is bool:
-            return self.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                     help=f"{help} [env {env}]", **kwargs)
+            return self.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=f"{help} [env {env}]", **kwargs
+            )
         return self.add_argument(flag, default=default, type=type, help=f"{help} [env {env}]", **kwargs)

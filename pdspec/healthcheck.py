@@ -1,6 +1,6 @@
 """Exit 0 iff a node answers grpc.health.v1 SERVING (the Docker HEALTHCHECK).
 
-    python -m pdspec.healthcheck [--addr localhost:50052] [--service NAME]
+python -m pdspec.healthcheck [--addr localhost:50052] [--service NAME]
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with grpc.insecure_channel(args.addr) as channel:
         try:
-            status = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout).status
+            status = (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+                .status
+            )
         except grpc.RpcError as err:
             print(f"{args.addr}: {err.code().name}", file=sys.stderr)
             return 1

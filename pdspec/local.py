@@ -61,18 +61,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--start-timeout", type=float, default=120)
     args = parser.parse_args(argv)
     python = sys.executable
-    decode = subprocess.Popen([python, "-m", "decode_node", "--host", "127.0.0.1", "--port", str(args.decode_port),
-                               "--metrics-port", str(args.decode_metrics_port)])
-    prefill = subprocess.Popen([python, "-m", "prefill_node", "--host", "127.0.0.1", "--port", str(args.prefill_port),
-                                "--metrics-port", str(args.prefill_metrics_port),
-                                "--decode-addr", f"127.0.0.1:{args.decode_port}"])
+    decode = subprocess.Popen(
+        [
+            python,
+            "-m",
+            "decode_node",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(args.decode_port),
+            "--metrics-port",
+            str(args.decode_metrics_port),
+        ]
+    )
+    prefill = subprocess.Popen(
+        [
+            python,
+            "-m",
+            "prefill_node",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(args.prefill_port),
+            "--metrics-port",
+            str(args.prefill_metrics_port),
+            "--decode-addr",
+            f"127.0.0.1:{args.decode_port}",
+        ]
+    )
     processes = [decode, prefill]
     try:
         wait_serving(f"127.0.0.1:{args.prefill_port}", args.start_timeout, processes)
         pdspec = os.path.join(os.path.dirname(python), "pdspec")
-        print(f"\npdspec is serving. In another terminal:\n\n  {pdspec} generate --stats --max-new-tokens 80 "
-              f"--prefill-addr 127.0.0.1:{args.prefill_port} \"def fibonacci(n):\"\n\nCtrl-C stops both nodes.",
-              flush=True)
+        print(
+            f"\npdspec is serving. In another terminal:\n\n  {pdspec} generate --stats --max-new-tokens 80 "
+            f'--prefill-addr 127.0.0.1:{args.prefill_port} "def fibonacci(n):"\n\nCtrl-C stops both nodes.',
+            flush=True,
+        )
         while all(p.poll() is None for p in processes):
             time.sleep(args.scrape_every or 1)
             if args.scrape_every:

@@ -21,40 +21,76 @@ class NodeMetrics:
         reg = self.registry
         self.verify_steps = Counter("pdspec_spec_verify_steps", "Speculative verify steps", ["do_sample"], registry=reg)
         self.draft_tokens = Counter("pdspec_spec_draft_tokens", "Draft tokens verified", ["do_sample"], registry=reg)
-        self.accepted_tokens = Counter("pdspec_spec_accepted_tokens", "Accepted draft tokens", ["do_sample"],
-                                       registry=reg)
-        self.emitted_tokens = Counter("pdspec_spec_emitted_tokens", "Tokens emitted by verify steps (accepted "
-                                      "drafts plus the recovered or bonus token)", ["do_sample"], registry=reg)
-        self.accepted_per_position = Counter("pdspec_spec_accepted_tokens_per_position",
-                                             "Accepted draft tokens by 0-based draft position",
-                                             ["do_sample", "position"], registry=reg)
-        self.accept_length = Histogram("pdspec_spec_accept_length", "Emitted tokens per verify step", ["do_sample"],
-                                       buckets=tuple(range(1, max_speculative_tokens + 2)), registry=reg)
-        self.requests = Counter("pdspec_requests", "Requests by node and final gRPC status code", ["node", "code"],
-                                registry=reg)
-        self.request_latency = Histogram("pdspec_request_latency_seconds", "Request latency", ["node"],
-                                         buckets=LATENCY_BUCKETS, registry=reg)
-        self.time_to_first_token = Histogram("pdspec_time_to_first_token_seconds",
-                                             "Time from request arrival to its first streamed token", ["node"],
-                                             buckets=LATENCY_BUCKETS, registry=reg)
-        self.proposal_bytes = Counter("pdspec_proposal_bytes", "Serialized proposal bytes (sent by prefill, "
-                                      "received by decode)", ["node", "encoding"], registry=reg)
+        self.accepted_tokens = Counter(
+            "pdspec_spec_accepted_tokens", "Accepted draft tokens", ["do_sample"], registry=reg
+        )
+        self.emitted_tokens = Counter(
+            "pdspec_spec_emitted_tokens",
+            "Tokens emitted by verify steps (accepted drafts plus the recovered or bonus token)",
+            ["do_sample"],
+            registry=reg,
+        )
+        self.accepted_per_position = Counter(
+            "pdspec_spec_accepted_tokens_per_position",
+            "Accepted draft tokens by 0-based draft position",
+            ["do_sample", "position"],
+            registry=reg,
+        )
+        self.accept_length = Histogram(
+            "pdspec_spec_accept_length",
+            "Emitted tokens per verify step",
+            ["do_sample"],
+            buckets=tuple(range(1, max_speculative_tokens + 2)),
+            registry=reg,
+        )
+        self.requests = Counter(
+            "pdspec_requests", "Requests by node and final gRPC status code", ["node", "code"], registry=reg
+        )
+        self.request_latency = Histogram(
+            "pdspec_request_latency_seconds", "Request latency", ["node"], buckets=LATENCY_BUCKETS, registry=reg
+        )
+        self.time_to_first_token = Histogram(
+            "pdspec_time_to_first_token_seconds",
+            "Time from request arrival to its first streamed token",
+            ["node"],
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.proposal_bytes = Counter(
+            "pdspec_proposal_bytes",
+            "Serialized proposal bytes (sent by prefill, received by decode)",
+            ["node", "encoding"],
+            registry=reg,
+        )
         self.kv_bytes = Counter("pdspec_kv_bytes", "KV-cache payload bytes transferred", ["node"], registry=reg)
-        self.validation_rejections = Counter("pdspec_validation_rejections", "Rejected requests by offending field",
-                                             ["node", "field"], registry=reg)
-        self.generated_tokens = Counter("pdspec_generated_tokens", "Tokens streamed to clients", ["node"],
-                                        registry=reg)
+        self.validation_rejections = Counter(
+            "pdspec_validation_rejections", "Rejected requests by offending field", ["node", "field"], registry=reg
+        )
+        self.generated_tokens = Counter("pdspec_generated_tokens", "Tokens streamed to clients", ["node"], registry=reg)
         self._preinitialise(max_speculative_tokens, fields)
 
     def _preinitialise(self, max_k: int, fields: Iterable[str]) -> None:
         for do_sample in DO_SAMPLE:
-            for family in (self.verify_steps, self.draft_tokens, self.accepted_tokens, self.emitted_tokens,
-                           self.accept_length):
+            for family in (
+                self.verify_steps,
+                self.draft_tokens,
+                self.accepted_tokens,
+                self.emitted_tokens,
+                self.accept_length,
+            ):
                 family.labels(do_sample)
             for position in range(max_k):
                 self.accepted_per_position.labels(do_sample, str(position))
-        for code in ("OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
-                     "CANCELLED", "DEADLINE_EXCEEDED", "INTERNAL"):
+        for code in (
+            "OK",
+            "INVALID_ARGUMENT",
+            "FAILED_PRECONDITION",
+            "RESOURCE_EXHAUSTED",
+            "UNAVAILABLE",
+            "CANCELLED",
+            "DEADLINE_EXCEEDED",
+            "INTERNAL",
+        ):
             self.requests.labels(self.node, code)
         self.request_latency.labels(self.node)
         self.time_to_first_token.labels(self.node)

@@ -34,8 +34,10 @@ class PrefillConfig:
 
     def __post_init__(self) -> None:
         if self.proposal_encoding is ProposalEncoding.POINT_MASS and self.draft_law is not DraftLaw.POINT_MASS:
-            raise ValueError("proposal_encoding: expected dense or sparse for a stochastic draft law "
-                             "(POINT_MASS is exact only for point masses), got point-mass")
+            raise ValueError(
+                "proposal_encoding: expected dense or sparse for a stochastic draft law "
+                "(POINT_MASS is exact only for point masses), got point-mass"
+            )
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,14 @@ class PrefillEngine:
         found = []
         has_text, has_ids = bool(request.prompt), bool(request.prompt_token_ids)
         if has_text == has_ids:
-            found.append(Violation("prompt", "exactly one of prompt / prompt_token_ids",
-                                   "both" if has_text else "neither"))
+            found.append(
+                Violation("prompt", "exactly one of prompt / prompt_token_ids", "both" if has_text else "neither")
+            )
         vocab = self.pair.target.vocab_size
-        for name, ids in (("prompt_token_ids", request.prompt_token_ids),
-                          ("sampling.stop_token_ids", request.sampling.stop_token_ids)):
+        for name, ids in (
+            ("prompt_token_ids", request.prompt_token_ids),
+            ("sampling.stop_token_ids", request.sampling.stop_token_ids),
+        ):
             bad = next((i for i in ids if not 0 <= i < vocab), None)
             if bad is not None:
                 found.append(Violation(name, f"ids in [0, {vocab})", str(bad)))
@@ -73,8 +78,9 @@ class PrefillEngine:
         except InvalidParameter as err:
             found.append(Violation(f"sampling.{err.field}", err.expected, err.actual))
         if request.sampling.max_new_tokens < 0:
-            found.append(Violation("sampling.max_new_tokens", ">= 0 (0 = server default)",
-                                   str(request.sampling.max_new_tokens)))
+            found.append(
+                Violation("sampling.max_new_tokens", ">= 0 (0 = server default)", str(request.sampling.max_new_tokens))
+            )
         k = request.num_speculative_tokens
         if not 0 <= k <= self.max_speculative_tokens:
             found.append(Violation("num_speculative_tokens", f"0..{self.max_speculative_tokens}", str(k)))
@@ -98,20 +104,26 @@ class PrefillEngine:
             draft_ids, draft_probs = self._propose(ids, first, k, rows, rng)
             kv = pair.target.export_state(target_state)
         decode = pdspec_pb2.DecodeRequest(
-            request_id=request.request_id, protocol_version=self.contract.protocol_version,
-            contract_fingerprint=self.fingerprint, prompt_token_ids=ids, first_token_id=first,
-            num_speculative_tokens=k)
+            request_id=request.request_id,
+            protocol_version=self.contract.protocol_version,
+            contract_fingerprint=self.fingerprint,
+            prompt_token_ids=ids,
+            first_token_id=first,
+            num_speculative_tokens=k,
+        )
         decode.sampling.CopyFrom(request.sampling)
         decode.sampling.max_new_tokens = budget
         encoding = choose_encoding(self.config.proposal_encoding, self.config.draft_law, self.config.compact_encodings)
-        encode_proposal(pair.d2t.map_tokens(draft_ids), draft_ids, draft_probs, pair.draft.vocab_size, encoding,
-                        out=decode.proposal)
+        encode_proposal(
+            pair.d2t.map_tokens(draft_ids), draft_ids, draft_probs, pair.draft.vocab_size, encoding, out=decode.proposal
+        )
         for tensor in kv:
             encode_tensor(tensor, out=decode.kv_cache.add())
         return Prefilled(first, "", decode, encoding)
 
-    def _propose(self, ids: list[int], first: int, k: int, rows: SamplingTensors,
-                 rng: RequestRng) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _propose(
+        self, ids: list[int], first: int, k: int, rows: SamplingTensors, rng: RequestRng
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K draft-space tokens and, for a stochastic law, their distributions [K, Vd]."""
         draft = self.pair.draft
         uniforms = rng.uniforms(k)  # drawn for either law, so the stream does not depend on it
@@ -132,8 +144,13 @@ class PrefillEngine:
 
 
 def _params(sampling: pdspec_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p,
-                          sampling.seed if sampling.HasField("seed") else None)
+    return SamplingParams(
+        sampling.do_sample,
+        sampling.temperature,
+        sampling.top_k,
+        sampling.top_p,
+        sampling.seed if sampling.HasField("seed") else None,
+    )
 
 
 def _finish_reason(token: int, eos: tuple[int, ...], stop: list[int], budget: int) -> str:

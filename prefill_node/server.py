@@ -25,7 +25,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from models.pair import ModelPair, load_pair
-from models.tokenizer import IncrementalDetokenizer
 from pdspec.metrics import NodeMetrics
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2, pdspec_pb2_grpc
@@ -36,10 +35,18 @@ log = logging.getLogger(__name__)
 SERVICE = pdspec_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 # Statuses of a relayed decode call that the client sees as they are; the rest (the peer
 # died, reset the stream, ...) become UNAVAILABLE.
-PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                  grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
-KEEPALIVE = [("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
-             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+PASSED_THROUGH = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,8 @@ class PrefillNodeConfig:
     metrics_port: int | None = 9401
     engine: PrefillConfig = field(default_factory=PrefillConfig)
     corpus: Path | None = None
+    target_model: Path | None = None  # HF checkpoints (both or neither); default: the built-in pair
+    draft_model: Path | None = None
     max_message_bytes: int | None = None
     max_prompt_tokens: int = 8192
     peer_check_s: float = 1.0  # while the peer is not compatible; 10x that while it is
@@ -60,8 +69,9 @@ class PrefillNodeConfig:
 class DecodePeer:
     """The channel to the decode node(s) and the watcher of their compatibility."""
 
-    def __init__(self, config: PrefillNodeConfig, engine: PrefillEngine, on_change: Callable[[bool], None],
-                 limit: int) -> None:
+    def __init__(
+        self, config: PrefillNodeConfig, engine: PrefillEngine, on_change: Callable[[bool], None], limit: int
+    ) -> None:
         options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit), *KEEPALIVE]
         if config.decode_addr.startswith("dns:"):
             options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})))
@@ -102,12 +112,14 @@ class DecodePeer:
             return
         contract = self.engine.contract
         if info.protocol_version != contract.protocol_version or info.contract_fingerprint != self.engine.fingerprint:
-            self._set(False, f"decode peer incompatible: protocol {info.protocol_version} vs "
-                             f"{contract.protocol_version}, fingerprint {info.contract_fingerprint} vs "
-                             f"{self.engine.fingerprint}")
+            self._set(
+                False,
+                f"decode peer incompatible: protocol {info.protocol_version} vs "
+                f"{contract.protocol_version}, fingerprint {info.contract_fingerprint} vs "
+                f"{self.engine.fingerprint}",
+            )
             return
-        self.engine.max_speculative_tokens = min(self.engine.config.max_speculative_tokens,
-                                                 info.max_speculative_tokens)
+        self.engine.max_speculative_tokens = min(self.engine.config.max_speculative_tokens, info.max_speculative_tokens)
         self._set(True, "")
 
     def _set(self, compatible: bool, problem: str) -> None:
@@ -150,9 +162,10 @@ class PrefillServicer(pdspec_pb2_grpc.PrefillServiceServicer):
             outcome[0] = "UNAVAILABLE"
             context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid!r}: {self.peer.problem}")
         prefilled = self.engine.prefill(request)
-        detokenizer = IncrementalDetokenizer()
-        first = pdspec_pb2.GenerateResponse(request_id=rid, token_ids=[prefilled.first_token],
-                                            text=detokenizer.push([prefilled.first_token]))
+        detokenizer = self.engine.pair.tokenizer.incremental()
+        first = pdspec_pb2.GenerateResponse(
+            request_id=rid, token_ids=[prefilled.first_token], text=detokenizer.push([prefilled.first_token])
+        )
         self.metrics.time_to_first_token.labels("prefill").observe(time.monotonic() - started)
         self.metrics.generated_tokens.labels("prefill").inc()
         if prefilled.finish_reason:
@@ -199,19 +212,29 @@ class RunningPrefillNode:
 def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.NodeInfo:
     contract = engine.contract
     return pdspec_pb2.NodeInfo(
-        role="prefill", protocol_version=contract.protocol_version, contract_fingerprint=engine.fingerprint,
-        target_vocab_size=contract.target_vocab_size, draft_vocab_size=contract.draft_vocab_size,
-        draft_to_target=list(contract.d2t), max_speculative_tokens=config.engine.max_speculative_tokens,
-        sampler_backend="", device="cpu", target_model=contract.target_model, draft_model=contract.draft_model)
+        role="prefill",
+        protocol_version=contract.protocol_version,
+        contract_fingerprint=engine.fingerprint,
+        target_vocab_size=contract.target_vocab_size,
+        draft_vocab_size=contract.draft_vocab_size,
+        draft_to_target=list(contract.d2t),
+        max_speculative_tokens=config.engine.max_speculative_tokens,
+        sampler_backend="",
+        device="cpu",
+        target_model=contract.target_model,
+        draft_model=contract.draft_model,
+    )
 
 
 @contextlib.contextmanager
-def run_server(config: PrefillNodeConfig,
-               pair_loader: Callable[[], ModelPair] | None = None) -> Iterator[RunningPrefillNode]:
-    pair = (pair_loader or (lambda: load_pair(config.corpus)))()
+def run_server(
+    config: PrefillNodeConfig, pair_loader: Callable[[], ModelPair] | None = None
+) -> Iterator[RunningPrefillNode]:
+    pair = (pair_loader or (lambda: load_pair(config.corpus, config.target_model, config.draft_model)))()
     engine = PrefillEngine(pair, config.engine)
-    limit = config.max_message_bytes or max_message_bytes(engine.contract, config.engine.max_speculative_tokens,
-                                                          config.max_prompt_tokens)
+    limit = config.max_message_bytes or max_message_bytes(
+        engine.contract, config.engine.max_speculative_tokens, config.max_prompt_tokens
+    )
     server = grpc.server(futures.ThreadPoolExecutor(config.workers))
     health_servicer = health.HealthServicer()
 
@@ -222,12 +245,24 @@ def run_server(config: PrefillNodeConfig,
 
     set_health(False)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    metrics = NodeMetrics("prefill", config.engine.max_speculative_tokens,
-                          ("prompt", "prompt_token_ids", "sampling.stop_token_ids", "sampling.temperature",
-                           "sampling.top_k", "sampling.top_p", "sampling.max_new_tokens", "num_speculative_tokens"))
+    metrics = NodeMetrics(
+        "prefill",
+        config.engine.max_speculative_tokens,
+        (
+            "prompt",
+            "prompt_token_ids",
+            "sampling.stop_token_ids",
+            "sampling.temperature",
+            "sampling.top_k",
+            "sampling.top_p",
+            "sampling.max_new_tokens",
+            "num_speculative_tokens",
+        ),
+    )
     peer = DecodePeer(config, engine, set_health, limit)
     pdspec_pb2_grpc.add_PrefillServiceServicer_to_server(
-        PrefillServicer(engine, peer, metrics, node_info(engine, config)), server)
+        PrefillServicer(engine, peer, metrics, node_info(engine, config)), server
+    )
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     metrics_server = metrics.serve(config.metrics_port, config.host) if config.metrics_port is not None else None
@@ -235,8 +270,9 @@ def run_server(config: PrefillNodeConfig,
     peer.start()
     log.info("prefill node on %s:%d, decode peer %s", config.host, port, config.decode_addr)
     try:
-        yield RunningPrefillNode(server, port, metrics, metrics_server.server_port if metrics_server else None,
-                                 engine, peer, health_servicer)
+        yield RunningPrefillNode(
+            server, port, metrics, metrics_server.server_port if metrics_server else None, engine, peer, health_servicer
+        )
     finally:
         health_servicer.enter_graceful_shutdown()
         server.stop(config.grace_s).wait()

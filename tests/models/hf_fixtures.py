@@ -1,0 +1,112 @@
+"""Tiny random-weight Llama checkpoints and tokenizers, made locally (no hub access)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+WORDS = [
+    *[
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "the",
+        "mat",
+        "while",
+        "a",
+        "dog",
+        "ran",
+        "past",
+        "the",
+        "old",
+        "red",
+        "door",
+        "and",
+        "the",
+        "bird",
+        "sang",
+        "in",
+        "the",
+        "tree",
+    ],
+    *[
+        "def",
+        "return",
+        "import",
+        "class",
+        "for",
+        "while",
+        "if",
+        "else",
+        "print",
+        "value",
+        "key",
+        "self",
+        "data",
+        "list",
+    ],
+]
+
+
+def make_tokenizer(directory: Path, words: list[str]):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1}
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def make_llama(
+    directory: Path, vocab_size: int, *, seed: int, layers: int = 2, hidden: int = 32, words: list[str] | None = None
+) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if words is not None:
+        make_tokenizer(directory, words)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=1,
+        bos_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharper than the default init, so greedy and sampling are not flat
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(directory)
+    return directory
+
+
+def make_pair_dirs(root: Path, *, draft_kind: str) -> tuple[Path, Path]:
+    """A target with the full word vocabulary and a draft that either shares its input
+    vocabulary with a reduced head + d2t.json ("d2t"), or has its own smaller tokenizer
+    ("intersection")."""
+    target_words = WORDS
+    target = make_llama(root / "target", len(set(target_words)) + 2, seed=1, words=target_words)
+    if draft_kind == "d2t":
+        draft = make_llama(root / "draft", 20, seed=2, layers=1)
+        # offset form: target id = draft id + d2t[draft id]
+        absolute = list(range(2, 22))
+        (draft / "d2t.json").write_text(
+            json.dumps({"format": "offset", "d2t": [t - d for d, t in enumerate(absolute)]})
+        )
+    else:
+        draft_words = [*sorted(set(target_words))[::2], "zebra", "quokka"]  # a subset plus draft-only words
+        draft = make_llama(root / "draft", len(set(draft_words)) + 2, seed=2, layers=1, words=draft_words)
+    return target, draft

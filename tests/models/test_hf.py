@@ -1,0 +1,120 @@
+"""HF transformers backend on tiny random-weight Llama checkpoints built here."""
+
+import json
+
+import pytest
+import torch
+
+from models.hf import HFCausalLM, load_d2t_file, load_hf_pair
+from models.pair import load_pair
+from tests.models.hf_fixtures import make_pair_dirs
+
+pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+
+
+@pytest.fixture(scope="module", params=["d2t", "intersection"])
+def hf_pair(request, tmp_path_factory):
+    target, draft = make_pair_dirs(tmp_path_factory.mktemp(request.param), draft_kind=request.param)
+    return load_hf_pair(target, draft)
+
+
+def full_pass(model, ids):
+    _, state = model.prefill(ids[:1])
+    return model.extend(state, ids[1:])
+
+
+def test_steps_truncate_and_extend_equal_one_forward(hf_pair):
+    ids = hf_pair.tokenizer.encode("the cat sat on the mat while a dog ran")
+    for model in (hf_pair.target, hf_pair.draft):
+        full = full_pass(model, ids)
+        _, state = model.prefill(ids[:1])
+        a = model.extend(state, ids[1:4])
+        model.extend(state, [3, 4, 5])  # rejected drafts
+        model.truncate(state, 4)
+        b = model.extend(state, ids[4:])
+        torch.testing.assert_close(torch.cat([a, b]), full, rtol=0, atol=1e-5)
+
+
+def test_export_import_continues_identically(hf_pair):
+    target = hf_pair.target
+    ids = hf_pair.tokenizer.encode("the old red door and the bird")
+    _, state = target.prefill(ids)
+    tensors = target.export_state(state)
+    assert len(tensors) == len(target.kv_layout) == 4
+    for tensor, spec in zip(tensors, target.kv_layout, strict=True):
+        assert tuple(tensor.shape) == spec.shape_for(len(ids)) and tensor.dtype == spec.dtype
+    clone = target.import_state([t.clone() for t in tensors], ids)
+    torch.testing.assert_close(target.extend(clone, ids[:3]), target.extend(state, ids[:3]), rtol=0, atol=1e-5)
+
+
+def test_batched_extend_equals_per_request(hf_pair):
+    target = hf_pair.target
+    prompts = [hf_pair.tokenizer.encode(t) for t in ("the cat", "a dog ran past the", "def")]
+    news = [[5, 6], [7], [8, 9, 10]]
+    states = [target.prefill(p)[1] for p in prompts]
+    batched = target.extend_batch(states, news)
+    for prompt, new, got in zip(prompts, news, batched, strict=True):
+        torch.testing.assert_close(got, target.extend(target.prefill(prompt)[1], new), rtol=0, atol=1e-6)
+
+
+def test_draft_vocabulary_maps(hf_pair):
+    d2t = hf_pair.d2t
+    assert not d2t.is_identity and d2t.draft_vocab_size == hf_pair.draft.vocab_size
+    draft = hf_pair.draft
+    if draft.output_mask is not None:  # intersection: draft-only words are never proposed
+        logits, _ = draft.prefill(hf_pair.tokenizer.encode("the cat"))
+        assert torch.isinf(logits[~draft.output_mask]).all() and torch.isfinite(logits[draft.output_mask]).all()
+        from transformers import AutoTokenizer
+
+        target_vocab = hf_pair.tokenizer.tokenizer.get_vocab()
+        draft_vocab = AutoTokenizer.from_pretrained(draft.path).get_vocab()
+        shared = set(target_vocab) & set(draft_vocab)
+        assert shared and "zebra" not in target_vocab
+        for word in shared:  # words of both vocabularies map to their target twins
+            assert int(d2t.d2t[draft_vocab[word]]) == target_vocab[word]
+        assert not draft.output_mask[draft_vocab["zebra"]]
+
+
+def test_offset_d2t_file_is_converted_once(tmp_path):
+    path = tmp_path / "d2t.json"
+    path.write_text(json.dumps({"format": "offset", "d2t": [5, 5, 5]}))
+    assert load_d2t_file(path, 3, 10).tolist() == [5, 6, 7]
+    path.write_text(json.dumps({"format": "offset", "d2t": [5, 5, 8]}))
+    with pytest.raises(ValueError, match=r"d2t: expected values in \[0, 10\), got 10"):
+        load_d2t_file(path, 3, 10)
+    path.write_text(json.dumps({"format": "relative", "d2t": [0]}))
+    with pytest.raises(ValueError, match="d2t format"):
+        load_d2t_file(path, 1, 10)
+
+
+def test_bad_checkpoints(tmp_path):
+    with pytest.raises(ValueError, match="expected a local checkpoint directory"):
+        HFCausalLM(tmp_path / "missing")
+    with pytest.raises(ValueError, match="both --target-model and --draft-model"):
+        load_pair(target_model=tmp_path)
+
+
+def test_hf_pair_through_both_nodes_ships_the_kv_cache(tmp_path):
+    """Greedy K=4 through real gRPC equals greedy decoding with the target alone, and the
+    decode node receives the target's KV cache instead of recomputing the prompt."""
+    from decode_node.engine import DecodeConfig
+    from tests.nodes.conftest import cluster
+
+    target_dir, draft_dir = make_pair_dirs(tmp_path, draft_kind="intersection")
+    pair = load_hf_pair(target_dir, draft_dir)
+    prompt = "the cat sat on the"
+    ids = pair.tokenizer.encode(prompt)
+    reference, state = [], None
+    logits, state = pair.target.prefill(ids)
+    for _ in range(12):
+        token = int(logits.argmax())
+        reference.append(token)
+        logits = pair.target.extend(state, [token])[-1]
+    with cluster(pair, DecodeConfig(max_speculative_tokens=4)) as (client, _, decode):
+        for k in (0, 4):
+            out = client.generate(prompt, greedy=True, max_new_tokens=12, num_speculative_tokens=k)
+            assert out.token_ids[: len(reference)] == reference[: len(out.token_ids)]
+        kv = decode.metrics.kv_bytes.labels("decode")._value.get()
+        assert kv == 2 * sum(
+            t.numel() * t.element_size() for t in pair.target.export_state(pair.target.prefill(ids)[1])
+        )
