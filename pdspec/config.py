@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 
 class EnvArgumentParser(argparse.ArgumentParser):
@@ -29,3 +30,41 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 flag, action=argparse.BooleanOptionalAction, default=default, help=f"{help} [env {env}]", **kwargs
             )
         return self.add_argument(flag, default=default, type=type, help=f"{help} [env {env}]", **kwargs)
+
+
+def node_parser(role: str, port: int, metrics_port: int, description: str) -> EnvArgumentParser:
+    """The flags both nodes share; each node adds its own."""
+    from sampling.proposal import DraftLaw
+
+    parser = EnvArgumentParser(role, prog=f"python -m {role}_node", description=description)
+    parser.add_flag("--host", default="0.0.0.0", help="address to bind")
+    parser.add_flag("--port", default=port, type=int, help="gRPC port (0 = any free port)")
+    parser.add_flag("--metrics-port", default=metrics_port, type=int, help="Prometheus /metrics port (-1 = off)")
+    parser.add_flag("--corpus", default=None, type=Path, help="built-in pair's corpus (default: Python's stdlib)")
+    parser.add_flag("--target-model", default=None, type=Path, help="HF checkpoint directory of the target")
+    parser.add_flag("--draft-model", default=None, type=Path, help="HF checkpoint directory of the draft")
+    parser.add_flag(
+        "--draft-sampling",
+        default="point-mass",
+        choices=[law.value for law in DraftLaw],
+        help="how the draft proposes: top-1 point mass, or sampling with the request's parameters",
+    )
+    parser.add_flag("--max-speculative-tokens", default=8, type=int, help="largest K a request may ask for")
+    parser.add_flag("--default-max-new-tokens", default=64, type=int, help="when a request says 0")
+    parser.add_flag("--max-message-bytes", default=None, type=int, help="gRPC message limit (default: derived)")
+    parser.add_flag("--grace-seconds", default=5.0, type=float, help="drain time on shutdown")
+    return parser
+
+
+def node_options(args: argparse.Namespace) -> dict:
+    """The node-config fields that come from the shared flags."""
+    return {
+        "host": args.host,
+        "port": args.port,
+        "metrics_port": None if args.metrics_port < 0 else args.metrics_port,
+        "corpus": args.corpus,
+        "target_model": args.target_model,
+        "draft_model": args.draft_model,
+        "max_message_bytes": args.max_message_bytes,
+        "grace_s": args.grace_seconds,
+    }
