@@ -92,8 +92,53 @@ class HFCausalLM:
         return self._forward(state, ids)
 
     def extend_batch(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        # Ragged caches would need per-row padding masks and positions; one call per request.
-        return [self.extend(state, new) for state, new in zip(states, ids, strict=True)]
+        """One forward for all requests: caches right-padded to the longest, new tokens
+        right-padded too, an attention mask hiding both paddings and explicit positions;
+        the result is split back into one unpadded cache per request."""
+        out = [torch.empty(0, self.vocab_size) for _ in states]
+        live = [i for i, new in enumerate(ids) if len(new)]
+        if len(live) <= 1:
+            for i in live:
+                out[i] = self.extend(states[i], ids[i])
+            return out
+        past = [len(states[i].tokens) for i in live]
+        new = [list(ids[i]) for i in live]
+        width_past, width_new = max(past), max(len(n) for n in new)
+        tokens = torch.zeros(len(live), width_new, dtype=torch.int64)
+        mask = torch.zeros(len(live), width_past + width_new, dtype=torch.int64)
+        positions = torch.zeros(len(live), width_new, dtype=torch.int64)
+        for row, (length, row_new) in enumerate(zip(past, new, strict=True)):
+            tokens[row, : len(row_new)] = torch.tensor(row_new)
+            mask[row, :length] = 1
+            mask[row, width_past : width_past + len(row_new)] = 1
+            positions[row] = length + torch.arange(width_new)
+        if self.input_map is not None:
+            tokens = self.input_map[tokens]
+        layers = [
+            tuple(
+                torch.cat([torch.nn.functional.pad(t, (0, 0, 0, width_past - t.shape[2])) for t in column])
+                for column in zip(*(pair_of_layer[n] for pair_of_layer in batch_layers), strict=True)
+            )
+            for n, batch_layers in [(n, [_layers(states[i].kv) for i in live]) for n in range(len(self.kv_layout) // 2)]
+        ]
+        with torch.no_grad():
+            result = self.model(
+                input_ids=tokens.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+                use_cache=True,
+                **{self._cache_kwarg: _cache_from(layers)},
+            )
+        logits = result.logits.float()  # [R, width_new, V]
+        if self.output_mask is not None:
+            logits = logits.masked_fill(~self.output_mask.to(logits.device), float("-inf"))
+        batched = _layers(result.past_key_values)
+        for row, i in enumerate(live):
+            keep = torch.cat([torch.arange(past[row]), width_past + torch.arange(len(new[row]))]).to(self.device)
+            states[i].kv = _cache_from([(k[row : row + 1, :, keep], v[row : row + 1, :, keep]) for k, v in batched])
+            states[i].tokens += new[row]
+            out[i] = logits[row, : len(new[row])]
+        return out
 
     def truncate(self, state: State, length: int) -> None:
         if not 0 <= length <= len(state.tokens):

@@ -100,9 +100,11 @@ def make_pair_dirs(root: Path, *, draft_kind: str) -> tuple[Path, Path]:
     target_words = WORDS
     target = make_llama(root / "target", len(set(target_words)) + 2, seed=1, words=target_words)
     if draft_kind == "d2t":
-        draft = make_llama(root / "draft", 20, seed=2, layers=1)
-        # offset form: target id = draft id + d2t[draft id]
-        absolute = list(range(2, 22))
+        # A draft that reads target ids (EAGLE-style) with a d2t.json in offset form
+        # (target id = draft id + d2t[draft id]); here a non-identity permutation.
+        vocab = len(set(target_words)) + 2
+        draft = make_llama(root / "draft", vocab, seed=2, layers=1)
+        absolute = list(reversed(range(vocab)))
         (draft / "d2t.json").write_text(
             json.dumps({"format": "offset", "d2t": [t - d for d, t in enumerate(absolute)]})
         )

@@ -49,13 +49,17 @@ def test_export_import_continues_identically(hf_pair):
 
 
 def test_batched_extend_equals_per_request(hf_pair):
-    target = hf_pair.target
-    prompts = [hf_pair.tokenizer.encode(t) for t in ("the cat", "a dog ran past the", "def")]
-    news = [[5, 6], [7], [8, 9, 10]]
-    states = [target.prefill(p)[1] for p in prompts]
-    batched = target.extend_batch(states, news)
-    for prompt, new, got in zip(prompts, news, batched, strict=True):
-        torch.testing.assert_close(got, target.extend(target.prefill(prompt)[1], new), rtol=0, atol=1e-6)
+    """Ragged caches and ragged new tokens in one forward; the states continue correctly."""
+    for model in (hf_pair.target, hf_pair.draft):
+        prompts = [hf_pair.tokenizer.encode(t) for t in ("the cat", "a dog ran past the", "def")]
+        news = [[5, 6], [7], [8, 9, 10]]
+        states = [model.prefill(p)[1] for p in prompts]
+        batched = model.extend_batch(states, news)
+        for prompt, new, got, state in zip(prompts, news, batched, states, strict=True):
+            alone = model.prefill(prompt)[1]
+            torch.testing.assert_close(got, model.extend(alone, new), rtol=0, atol=1e-5)
+            assert state.tokens == alone.tokens
+            torch.testing.assert_close(model.extend(state, [4]), model.extend(alone, [4]), rtol=0, atol=1e-5)
 
 
 def test_draft_vocabulary_maps(hf_pair):
