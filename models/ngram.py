@@ -81,7 +81,7 @@ class NgramModel:
     kv_layout: tuple[KvTensorSpec, ...] = ()
     eos_token_ids: tuple[int, ...]
 
-    def __init__(self, name: str, tables: NgramTables, eos_id: int, cache_size: int = 1 << 16) -> None:
+    def __init__(self, name: str, tables: NgramTables, eos_id: int, cache_size: int = 1 << 13) -> None:
         self.name = name
         self.tables = tables
         self.vocab_size = tables.vocab
