@@ -116,7 +116,7 @@ def round_trip() -> tuple[list[dict], str]:
             payload = probs.numel() * 4
             assert torch.equal(round_trip_once(probs, ids), probs)
             src = np.frombuffer(probs.numpy().tobytes(), np.uint8)
-            dst = np.empty_like(src)
+            dst = np.zeros_like(src)  # touched pages: no first-copy page faults in the baseline
             memcpy_s = median_seconds(lambda s=src, d=dst: np.copyto(d, s))
             trip_s = median_seconds(lambda p=probs, i=ids: round_trip_once(p, i))
             rows.append(
