@@ -45,6 +45,7 @@ sanitize-gpu: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/sampling_cpu.py
 	$(PY) bench/wire.py
+	$(PY) bench/models.py
 	$(PY) bench/e2e.py
 
 bench-gpu: $(STAMP)
