@@ -88,8 +88,7 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
         try:
             yield from self._decode(request, context, started, outcome)
         finally:
-            self.metrics.requests.labels("decode", outcome[0]).inc()
-            self.metrics.request_latency.labels("decode").observe(time.monotonic() - started)
+            self.metrics.finish_request(started, outcome[0])
 
     def _decode(self, request, context, started: float, outcome: list[str]):
         result = validate_decode_request(request, self.receiver)

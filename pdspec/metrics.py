@@ -6,6 +6,7 @@ one process (tests) and each /metrics page shows only its node's series.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -113,6 +114,11 @@ class NodeMetrics:
         for position in range(accepted):
             self.accepted_per_position.labels(label, str(position)).inc()
         self.accept_length.labels(label).observe(emitted)
+
+    def finish_request(self, started: float, code: str) -> None:
+        """Count one finished request by final status code and record its latency."""
+        self.requests.labels(self.node, code).inc()
+        self.request_latency.labels(self.node).observe(time.monotonic() - started)
 
     def serve(self, port: int, host: str = "0.0.0.0"):
         """Expose /metrics on `port` (0 = any free port); returns the HTTP server."""

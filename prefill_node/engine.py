@@ -18,9 +18,8 @@ from models.pair import ModelPair
 from protos import pdspec_pb2
 from protos.codec import encode_tensor
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
-from protos.validation import Violation
-from sampling import RequestRng, SamplingParams, SamplingTensors, propose, sample_target
-from sampling.params import InvalidParameter
+from protos.validation import Violation, check_ids, check_sampling, sampling_params
+from sampling import RequestRng, SamplingTensors, propose, sample_target
 from sampling.proposal import DraftLaw
 
 
@@ -66,21 +65,8 @@ class PrefillEngine:
                 Violation("prompt", "exactly one of prompt / prompt_token_ids", "both" if has_text else "neither")
             )
         vocab = self.pair.target.vocab_size
-        for name, ids in (
-            ("prompt_token_ids", request.prompt_token_ids),
-            ("sampling.stop_token_ids", request.sampling.stop_token_ids),
-        ):
-            bad = next((i for i in ids if not 0 <= i < vocab), None)
-            if bad is not None:
-                found.append(Violation(name, f"ids in [0, {vocab})", str(bad)))
-        try:
-            _params(request.sampling)
-        except InvalidParameter as err:
-            found.append(Violation(f"sampling.{err.field}", err.expected, err.actual))
-        if request.sampling.max_new_tokens < 0:
-            found.append(
-                Violation("sampling.max_new_tokens", ">= 0 (0 = server default)", str(request.sampling.max_new_tokens))
-            )
+        check_ids("prompt_token_ids", request.prompt_token_ids, vocab, found)
+        check_sampling(request.sampling, vocab, found)
         k = request.num_speculative_tokens
         if not 0 <= k <= self.max_speculative_tokens:
             found.append(Violation("num_speculative_tokens", f"0..{self.max_speculative_tokens}", str(k)))
@@ -89,7 +75,7 @@ class PrefillEngine:
     def prefill(self, request: pdspec_pb2.GenerateRequest) -> Prefilled:
         """Run a checked request up to the DecodeRequest (or to its end)."""
         pair = self.pair
-        params = _params(request.sampling)
+        params = sampling_params(request.sampling)
         rng = RequestRng(params.seed, stream="prefill")
         ids = list(request.prompt_token_ids) or pair.tokenizer.encode(request.prompt)
         rows = SamplingTensors.from_params([params])
@@ -141,16 +127,6 @@ class PrefillEngine:
                 feed = [int(self.pair.d2t.d2t[token])]
         draft_ids = torch.tensor(tokens, dtype=torch.int64)
         return draft_ids, (torch.stack(probs) if probs else None)
-
-
-def _params(sampling: pdspec_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        sampling.do_sample,
-        sampling.temperature,
-        sampling.top_k,
-        sampling.top_p,
-        sampling.seed if sampling.HasField("seed") else None,
-    )
 
 
 def _finish_reason(token: int, eos: tuple[int, ...], stop: list[int], budget: int) -> str:

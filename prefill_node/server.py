@@ -147,8 +147,7 @@ class PrefillServicer(pdspec_pb2_grpc.PrefillServiceServicer):
         try:
             yield from self._generate(request, context, started, outcome)
         finally:
-            self.metrics.requests.labels("prefill", outcome[0]).inc()
-            self.metrics.request_latency.labels("prefill").observe(time.monotonic() - started)
+            self.metrics.finish_request(started, outcome[0])
 
     def _generate(self, request, context, started: float, outcome: list[str]):
         rid = request.request_id

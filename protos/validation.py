@@ -89,12 +89,12 @@ def validate_decode_request(request: pdspec_pb2.DecodeRequest, receiver: Receive
     if precondition:
         return precondition  # the rest of the message may not even mean what we think
     found: list[Violation] = []
-    params = _check_sampling(request.sampling, contract.target_vocab_size, found)
+    params = check_sampling(request.sampling, contract.target_vocab_size, found)
     vocab = contract.target_vocab_size
     if not request.prompt_token_ids:
         found.append(Violation("prompt_token_ids", "at least 1 id", "0 ids"))
-    _check_ids("prompt_token_ids", request.prompt_token_ids, vocab, found)
-    _check_ids("first_token_id", [request.first_token_id], vocab, found)
+    check_ids("prompt_token_ids", request.prompt_token_ids, vocab, found)
+    check_ids("first_token_id", [request.first_token_id], vocab, found)
     k = request.num_speculative_tokens
     if not 0 <= k <= receiver.max_speculative_tokens:
         found.append(Violation("num_speculative_tokens", f"0..{receiver.max_speculative_tokens}", str(k)))
@@ -104,7 +104,7 @@ def validate_decode_request(request: pdspec_pb2.DecodeRequest, receiver: Receive
         found.append(
             Violation("proposal.token_ids", f"{k} ids (num_speculative_tokens)", f"{len(proposal.token_ids)} ids")
         )
-    _check_ids("proposal.token_ids", proposal.token_ids, vocab, found)
+    check_ids("proposal.token_ids", proposal.token_ids, vocab, found)
     kv_cache = _decode_kv(request.kv_cache, contract, len(request.prompt_token_ids), found)
     draft_probs = _decode_proposal(proposal, k, receiver, found)
     if found:
@@ -150,20 +150,26 @@ def _check_contract(request: pdspec_pb2.DecodeRequest, contract: Contract) -> li
     return found
 
 
-def _check_sampling(sampling: pdspec_pb2.SamplingParams, vocab: int, found: list[Violation]) -> SamplingParams:
+def sampling_params(sampling: pdspec_pb2.SamplingParams) -> SamplingParams:
+    """The wire SamplingParams as the sampler's (raises InvalidParameter out of domain)."""
     seed = sampling.seed if sampling.HasField("seed") else None
+    return SamplingParams(sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, seed)
+
+
+def check_sampling(sampling: pdspec_pb2.SamplingParams, vocab: int, found: list[Violation]) -> SamplingParams:
+    """Parameter domains, max_new_tokens and stop ids (shared by both nodes' checks)."""
     try:
-        params = SamplingParams(sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, seed)
+        params = sampling_params(sampling)
     except InvalidParameter as err:
         found.append(Violation(f"sampling.{err.field}", err.expected, err.actual))
         params = SamplingParams()
     if sampling.max_new_tokens < 0:
         found.append(Violation("sampling.max_new_tokens", ">= 0 (0 = server default)", str(sampling.max_new_tokens)))
-    _check_ids("sampling.stop_token_ids", sampling.stop_token_ids, vocab, found)
+    check_ids("sampling.stop_token_ids", sampling.stop_token_ids, vocab, found)
     return params
 
 
-def _check_ids(name: str, ids, vocab: int, found: list[Violation]) -> None:
+def check_ids(name: str, ids, vocab: int, found: list[Violation]) -> None:
     bad = next((i for i in ids if not 0 <= i < vocab), None)
     if bad is not None:
         found.append(Violation(name, f"ids in [0, {vocab})", str(bad)))

@@ -29,6 +29,7 @@ def compose() -> str:
     if path is None:
         if os.environ.get("CI"):
             pytest.fail("docker-compose not found: CI must validate the compose files (see .ci/run)")
+        # Outside CI only (CI fails above): a developer machine without docker-compose.
         pytest.skip("docker-compose is not installed on this machine")
     return path
 
