@@ -41,6 +41,10 @@ PASSED_THROUGH = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+# gRPC Python reports "the client set no deadline" as ~9.2e18 s remaining; passed on as a
+# timeout that overflows into an immediate DEADLINE_EXCEEDED. Anything beyond a year is
+# taken to mean no deadline.
+NO_DEADLINE_S = 365 * 24 * 3600.0
 KEEPALIVE = [
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 2000),
@@ -177,7 +181,7 @@ class PrefillServicer(pdspec_pb2_grpc.PrefillServiceServicer):
         decode = prefilled.decode_request
         self.metrics.proposal_bytes.labels("prefill", prefilled.encoding.value).inc(decode.proposal.ByteSize())
         self.metrics.kv_bytes.labels("prefill").inc(sum(len(t.data) for t in decode.kv_cache))
-        call = self.peer.stub.Decode(decode, timeout=context.time_remaining())
+        call = self.peer.stub.Decode(decode, timeout=decode_timeout(context))
         context.add_callback(call.cancel)  # a client cancel cancels the decode stream
         try:
             for response in call:
@@ -195,6 +199,12 @@ class PrefillServicer(pdspec_pb2_grpc.PrefillServiceServicer):
                 self.peer.recheck()
             outcome[0] = code.name
             context.abort(code, f"request {rid!r}: decode node: {err.code().name}: {err.details()}")
+
+
+def decode_timeout(context: grpc.ServicerContext) -> float | None:
+    """The client's remaining deadline for the relayed decode call; None when it set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > NO_DEADLINE_S else remaining
 
 
 @dataclass

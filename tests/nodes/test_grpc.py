@@ -193,6 +193,24 @@ def test_client_cancel_frees_the_decode_slot(nodes):
     wait_until(lambda: decode.engine.load == 0, what="slot freed after cancel")
 
 
+def test_no_client_deadline_runs_to_the_end(nodes):
+    """No deadline is the default of grpc-js, grpcurl and grpc Python: such a request must run
+    to its end, not inherit an overflowed timeout on the relayed decode call."""
+    client, _, decode = nodes
+    out = client.generate("import ", seed=11, max_new_tokens=60, timeout=None)
+    assert len(out.token_ids) == 60 and out.finish_reason == "length"
+    request = pdspec_pb2.GenerateRequest(
+        request_id="raw-stub",
+        prompt="def ",
+        num_speculative_tokens=4,
+        sampling=pdspec_pb2.SamplingParams(do_sample=False, max_new_tokens=30),
+    )
+    responses = list(pdspec_pb2_grpc.PrefillServiceStub(client.channel).Generate(request))
+    assert responses[-1].finished and responses[-1].finish_reason == "length"
+    assert sum(len(r.token_ids) for r in responses) == 30
+    wait_until(lambda: decode.engine.load == 0, what="slots free")
+
+
 def test_deadline_is_honoured(nodes):
     client, _, decode = nodes
     started = time.monotonic()
