@@ -119,7 +119,11 @@ class DecodeEngine:
         return request
 
     def cancel(self, request: Request) -> None:
-        request.cancelled.set()  # the engine drops it at its next step, freeing the slot
+        """Drop a request: a queued one leaves the queue now, a running one at the next step."""
+        request.cancelled.set()
+        with self._lock:
+            if request in self._pending:
+                self._pending.remove(request)
 
     @property
     def load(self) -> int:
@@ -153,6 +157,7 @@ class DecodeEngine:
         with self._lock:
             room = self.config.max_batch - len(self._active)
             admitted, self._pending = self._pending[:room], self._pending[room:]
+        admitted = [r for r in admitted if not r.cancelled.is_set()]  # a cancelled request never starts
         for request in admitted:
             self._admit(request)
         live = []

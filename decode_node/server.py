@@ -27,7 +27,7 @@ from pdspec.metrics import NodeMetrics
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.contract import max_message_bytes
 from protos.proposal import ProposalEncoding
-from protos.status import status_code, to_grpc_status
+from protos.status import ended_status, status_code, to_grpc_status
 from protos.validation import DecodeInput, Receiver, validate_decode_request
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,9 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
         outcome = ["OK"]
         try:
             yield from self._decode(request, context, started, outcome)
+        except GeneratorExit:  # gRPC closed the stream: the client cancelled or its deadline passed
+            outcome[0] = ended_status(context)
+            raise
         finally:
             self.metrics.finish_request(started, outcome[0])
 
@@ -106,27 +109,35 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
         except QueueFull as err:
             outcome[0] = "RESOURCE_EXHAUSTED"
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {request.request_id!r}: queue full ({err})")
-        context.add_callback(lambda: self.engine.cancel(handle))  # client cancel or deadline
+        # A client cancel or deadline cancels the engine request. add_callback returns False
+        # when the RPC has already ended (a 1 ms deadline can expire before this line): then
+        # nothing would ever call it, so cancel now.
+        if not context.add_callback(lambda: self.engine.cancel(handle)):
+            self.engine.cancel(handle)
         first = True
-        while True:
-            try:
-                event: Event = handle.events.get(timeout=0.25)
-            except queue.Empty:
-                if not context.is_active():
-                    self.engine.cancel(handle)
-                    outcome[0] = "CANCELLED"
+        try:
+            while True:
+                try:
+                    event: Event | None = handle.events.get(timeout=0.25)
+                except queue.Empty:
+                    event = None
+                if not context.is_active():  # checked on every event, not only when idle
+                    outcome[0] = ended_status(context)
                     return
-                continue
-            if event.error:
-                outcome[0] = "INTERNAL"
-                context.abort(grpc.StatusCode.INTERNAL, f"request {request.request_id!r}: {event.error}")
-            if first and event.tokens:
-                self.metrics.time_to_first_token.labels("decode").observe(time.monotonic() - started)
-                first = False
-            self.metrics.generated_tokens.labels("decode").inc(len(event.tokens))
-            yield _response(request.request_id, event)
-            if event.finished:
-                return
+                if event is None:
+                    continue
+                if event.error:
+                    outcome[0] = "INTERNAL"
+                    context.abort(grpc.StatusCode.INTERNAL, f"request {request.request_id!r}: {event.error}")
+                if first and event.tokens:
+                    self.metrics.time_to_first_token.labels("decode").observe(time.monotonic() - started)
+                    first = False
+                self.metrics.generated_tokens.labels("decode").inc(len(event.tokens))
+                yield _response(request.request_id, event)
+                if event.finished:
+                    return
+        finally:
+            self.engine.cancel(handle)  # every way out (return, abort, a closed stream) frees the slot
 
 
 def _response(request_id: str, event: Event) -> pdspec_pb2.GenerateResponse:

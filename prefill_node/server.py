@@ -29,7 +29,7 @@ from pdspec.metrics import NodeMetrics
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.contract import max_message_bytes
-from protos.status import to_grpc_status
+from protos.status import ended_status, to_grpc_status
 
 log = logging.getLogger(__name__)
 SERVICE = pdspec_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
@@ -150,6 +150,9 @@ class PrefillServicer(pdspec_pb2_grpc.PrefillServiceServicer):
         outcome = ["OK"]
         try:
             yield from self._generate(request, context, started, outcome)
+        except GeneratorExit:  # gRPC closed the stream: the client cancelled or its deadline passed
+            outcome[0] = ended_status(context)
+            raise
         finally:
             self.metrics.finish_request(started, outcome[0])
 
@@ -181,10 +184,19 @@ class PrefillServicer(pdspec_pb2_grpc.PrefillServiceServicer):
         decode = prefilled.decode_request
         self.metrics.proposal_bytes.labels("prefill", prefilled.encoding.value).inc(decode.proposal.ByteSize())
         self.metrics.kv_bytes.labels("prefill").inc(sum(len(t.data) for t in decode.kv_cache))
+        if not context.is_active():  # the client left while we prefilled: start nothing
+            outcome[0] = ended_status(context)
+            return
         call = self.peer.stub.Decode(decode, timeout=decode_timeout(context))
-        context.add_callback(call.cancel)  # a client cancel cancels the decode stream
+        # A client cancel cancels the decode stream; add_callback returns False when the RPC
+        # already ended, and then nothing would call it.
+        if not context.add_callback(call.cancel):
+            call.cancel()
         try:
             for response in call:
+                if not context.is_active():
+                    outcome[0] = ended_status(context)
+                    return
                 response.text = detokenizer.push(response.token_ids)
                 if response.finished:
                     response.text += detokenizer.flush()
@@ -192,13 +204,15 @@ class PrefillServicer(pdspec_pb2_grpc.PrefillServiceServicer):
                 yield response
         except grpc.RpcError as err:
             if not context.is_active():
-                outcome[0] = "CANCELLED"
+                outcome[0] = ended_status(context)
                 return
             code = err.code() if err.code() in PASSED_THROUGH else grpc.StatusCode.UNAVAILABLE
             if code is grpc.StatusCode.UNAVAILABLE:
                 self.peer.recheck()
             outcome[0] = code.name
             context.abort(code, f"request {rid!r}: decode node: {err.code().name}: {err.details()}")
+        finally:
+            call.cancel()  # every way out (return, abort, a closed stream) ends the decode call
 
 
 def decode_timeout(context: grpc.ServicerContext) -> float | None:

@@ -19,6 +19,18 @@ from protos.validation import Code, Violation
 _PRIORITY = (Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED, Code.INVALID_ARGUMENT)
 
 
+# A client whose deadline fires resets the stream at once, while the server's copy of the
+# deadline (computed when the request arrived) runs out a transit time later; a cancel that
+# close to the deadline is the deadline.
+DEADLINE_SLACK_S = 0.1
+
+
+def ended_status(context: grpc.ServicerContext) -> str:
+    """Why an RPC ended before its stream did: its deadline passed, or the client cancelled."""
+    remaining = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
+
+
 def status_code(violations: Sequence[Violation]) -> grpc.StatusCode:
     codes = {v.code for v in violations}
     return getattr(grpc.StatusCode, next(c for c in _PRIORITY if c in codes).value)
