@@ -9,10 +9,22 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    start_http_server,
+)
 
 DO_SAMPLE = ("false", "true")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# First tokens and gaps between tokens take milliseconds: resolve them.
+FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class NodeMetrics:
@@ -20,6 +32,8 @@ class NodeMetrics:
         self.node = node
         self.registry = CollectorRegistry()
         reg = self.registry
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*
+            reg.register(collector)
         self.verify_steps = Counter("pdspec_spec_verify_steps", "Speculative verify steps", ["do_sample"], registry=reg)
         self.draft_tokens = Counter("pdspec_spec_draft_tokens", "Draft tokens verified", ["do_sample"], registry=reg)
         self.accepted_tokens = Counter(
@@ -54,7 +68,7 @@ class NodeMetrics:
             "pdspec_time_to_first_token_seconds",
             "Time from request arrival to its first streamed token",
             ["node"],
-            buckets=LATENCY_BUCKETS,
+            buckets=FAST_BUCKETS,
             registry=reg,
         )
         self.proposal_bytes = Counter(
@@ -68,6 +82,24 @@ class NodeMetrics:
             "pdspec_validation_rejections", "Rejected requests by offending field", ["node", "field"], registry=reg
         )
         self.generated_tokens = Counter("pdspec_generated_tokens", "Tokens streamed to clients", ["node"], registry=reg)
+        self.prompt_tokens = Counter("pdspec_prompt_tokens", "Prompt tokens of admitted requests", ["node"], registry=reg)
+        self.running = Gauge("pdspec_running_requests", "Requests in the running batch", ["node"], registry=reg)
+        self.waiting = Gauge("pdspec_waiting_requests", "Requests waiting for a batch slot", ["node"], registry=reg)
+        self.inter_token_latency = Histogram(
+            "pdspec_inter_token_latency_seconds",
+            "Time between consecutive streamed messages of a request, per token they carry",
+            ["node"],
+            buckets=FAST_BUCKETS,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            "pdspec_queue_time_seconds",
+            "Time a request waited before its first engine step",
+            ["node"],
+            buckets=FAST_BUCKETS,
+            registry=reg,
+        )
+        self.node_info = Info("pdspec_node", "The node: role, version, models, device, backends", registry=reg)
         self._preinitialise(max_speculative_tokens, fields)
 
     def _preinitialise(self, max_k: int, fields: Iterable[str]) -> None:
@@ -91,12 +123,16 @@ class NodeMetrics:
             "CANCELLED",
             "DEADLINE_EXCEEDED",
             "INTERNAL",
+            "UNKNOWN",
+            "UNAUTHENTICATED",
         ):
             self.requests.labels(self.node, code)
         self.request_latency.labels(self.node)
         self.time_to_first_token.labels(self.node)
         self.kv_bytes.labels(self.node)
         self.generated_tokens.labels(self.node)
+        for family in (self.prompt_tokens, self.running, self.waiting, self.inter_token_latency, self.queue_time):
+            family.labels(self.node)
         for encoding in ("dense", "point-mass", "sparse"):
             self.proposal_bytes.labels(self.node, encoding)
         for name in fields:
