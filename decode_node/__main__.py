@@ -6,7 +6,7 @@ import logging
 
 from decode_node.engine import DecodeConfig
 from decode_node.server import DecodeNodeConfig, run_server
-from pdspec.config import node_options, node_parser
+from pdspec.config import node_options, node_parser, request_limits
 from pdspec.serving import serve_until_signal
 from sampling.proposal import DraftLaw
 
@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
         sampler_backend=args.sampler_backend,
         device=args.device,
     )
-    return DecodeNodeConfig(engine=engine, **node_options(args))
+    return DecodeNodeConfig(engine=engine, limits=request_limits(args), **node_options(args))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,8 +26,10 @@ import torch
 from models.base import State
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
+from pdspec.stopping import finish_reason
 from protos.validation import DecodeInput
 from sampling import RequestRng, SamplingTensors, Verifier, propose
+from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class Event:
     finish_reason: str = ""
     stats: Stats | None = None
     error: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked for
 
 
 @dataclass(eq=False)
@@ -130,6 +133,14 @@ class DecodeEngine:
         with self._lock:
             return len(self._pending) + len(self._active)
 
+    @property
+    def running(self) -> int:
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
     # -- the loop ---------------------------------------------------------------------
     def start(self) -> None:
         self._running = True
@@ -191,6 +202,9 @@ class DecodeEngine:
         budget = data.max_new_tokens or self.config.default_max_new_tokens
         request.remaining = budget - 1  # the prefill node emitted the first token
         request.stats.accepted_per_position = [0] * data.num_speculative_tokens
+        if self.metrics:
+            self.metrics.queue_time.labels("decode").observe(time.monotonic() - request.arrived)
+            self.metrics.prompt_tokens.labels("decode").inc(len(data.prompt_token_ids))
 
     def _speculate(self, requests: list[Request]) -> None:
         proposals = self._proposals(requests)
@@ -211,7 +225,9 @@ class DecodeEngine:
             for row, request in enumerate(batch):
                 emitted = result.emitted(row)
                 self._record(request, k, len(emitted), bool(result.stats.do_sample[row]))
-                self._advance(request, emitted, old_len[id(request)])
+                top = request.input.logprobs
+                logprobs = token_logprobs(target_logits[row, : len(emitted)], torch.tensor(emitted), top) if top else []
+                self._advance(request, emitted, old_len[id(request)], logprobs)
 
     def _proposals(self, requests: list[Request]) -> list[_Proposal]:
         """The prefill's proposal on a request's first step; else K drafts from the local draft."""
@@ -264,32 +280,34 @@ class DecodeEngine:
             for i in range(len(requests))
         ]
 
-    def _advance(self, request: Request, emitted: Sequence[int], old_len: int) -> None:
+    def _advance(self, request: Request, emitted: Sequence[int], old_len: int, logprobs: list[TokenLogprob]) -> None:
         accepted = len(emitted) - 1
         self.pair.target.truncate(request.target_state, old_len + accepted)
         draft_state = request.draft_state
         self.pair.draft.truncate(draft_state, min(len(draft_state.tokens), old_len + accepted))
-        eos_or_stop = set(self.pair.target.eos_token_ids) | set(request.input.stop_token_ids)
+        data = request.input
+        budget = data.max_new_tokens or self.config.default_max_new_tokens
+        done = budget - request.remaining  # tokens of this request emitted so far (prefill's first included)
         out, reason = [], ""
         for token in emitted:
             out.append(token)
-            if token in self.pair.target.eos_token_ids:
-                reason = "eos"
-            elif token in eos_or_stop:
-                reason = "stop"
-            if reason or len(out) == request.remaining:
+            reason = finish_reason(token, self.pair.target.eos_token_ids, data.stop_token_ids, done + len(out), budget)
+            if reason:
                 break
         request.history += out
         request.remaining -= len(out)
-        if not reason and request.remaining == 0:
-            reason = "length"
+        logprobs = logprobs[: len(out)]
         if reason:
-            self._finish(request, out, reason)
+            self._finish(request, out, reason, logprobs)
         else:
-            request.events.put(Event(out))
+            request.events.put(Event(out, logprobs=logprobs))
 
-    def _finish(self, request: Request, tokens: list[int], reason: str) -> None:
-        request.events.put(Event(tokens, finished=True, finish_reason=reason, stats=request.stats))
+    def _finish(
+        self, request: Request, tokens: list[int], reason: str, logprobs: list[TokenLogprob] | None = None
+    ) -> None:
+        request.events.put(
+            Event(tokens, finished=True, finish_reason=reason, stats=request.stats, logprobs=logprobs or [])
+        )
         request.cancelled.set()  # leaves the batch
 
     def _record(self, request: Request, k: int, emitted: int, do_sample: bool) -> None:

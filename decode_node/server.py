@@ -13,22 +13,21 @@ import logging
 import queue
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+import pdspec
 from decode_node.engine import DecodeConfig, DecodeEngine, Event, QueueFull
 from models.pair import ModelPair, load_pair
 from pdspec.metrics import NodeMetrics
+from pdspec.serving import NodeShell
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.contract import max_message_bytes
 from protos.proposal import ProposalEncoding
 from protos.status import ended_status, status_code, to_grpc_status
-from protos.validation import DecodeInput, Receiver, validate_decode_request
+from protos.validation import DecodeInput, Receiver, RequestLimits, validate_decode_request
 
 log = logging.getLogger(__name__)
 SERVICE = pdspec_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
@@ -38,6 +37,7 @@ ENCODING_LABELS = {
     pdspec_pb2.Proposal.SPARSE: ProposalEncoding.SPARSE.value,
 }
 VALIDATED_FIELDS = (
+    "request_id",
     "protocol_version",
     "contract_fingerprint",
     "num_speculative_tokens",
@@ -54,6 +54,7 @@ VALIDATED_FIELDS = (
     "sampling.top_p",
     "sampling.max_new_tokens",
     "sampling.stop_token_ids",
+    "sampling.logprobs",
 )
 
 
@@ -67,9 +68,8 @@ class DecodeNodeConfig:
     target_model: Path | None = None  # HF checkpoints (both or neither); default: the built-in pair
     draft_model: Path | None = None
     max_message_bytes: int | None = None  # None: derived from the contract
-    max_prompt_tokens: int = 8192  # sizes the derived message limit (KV of the longest prompt)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # max_prompt_tokens sizes the message limit
     grace_s: float = 5.0
-    workers: int = 64  # concurrent streams the server can hold
 
 
 class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
@@ -114,7 +114,7 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
         # nothing would ever call it, so cancel now.
         if not context.add_callback(lambda: self.engine.cancel(handle)):
             self.engine.cancel(handle)
-        first = True
+        first, last = True, started
         try:
             while True:
                 try:
@@ -129,9 +129,15 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
                 if event.error:
                     outcome[0] = "INTERNAL"
                     context.abort(grpc.StatusCode.INTERNAL, f"request {request.request_id!r}: {event.error}")
+                now = time.monotonic()
                 if first and event.tokens:
-                    self.metrics.time_to_first_token.labels("decode").observe(time.monotonic() - started)
+                    self.metrics.time_to_first_token.labels("decode").observe(now - started)
                     first = False
+                elif event.tokens:
+                    gap = (now - last) / len(event.tokens)
+                    for _ in event.tokens:
+                        self.metrics.inter_token_latency.labels("decode").observe(gap)
+                last = now
                 self.metrics.generated_tokens.labels("decode").inc(len(event.tokens))
                 yield _response(request.request_id, event)
                 if event.finished:
@@ -154,6 +160,8 @@ def _response(request_id: str, event: Event) -> pdspec_pb2.GenerateResponse:
                 accepted_per_position=s.accepted_per_position,
             )
         )
+    for entry in event.logprobs:
+        response.logprobs.add(logprob=entry.logprob, top_token_ids=entry.top_token_ids, top_logprobs=entry.top_logprobs)
     return response
 
 
@@ -164,11 +172,12 @@ class RunningDecodeNode:
     metrics: NodeMetrics
     metrics_port: int | None
     engine: DecodeEngine
-    health: health.HealthServicer
+    shell: NodeShell
 
 
-def node_info(pair: ModelPair, config: DecodeConfig, engine: DecodeEngine) -> pdspec_pb2.NodeInfo:
+def node_info(pair: ModelPair, config: DecodeNodeConfig, engine: DecodeEngine) -> pdspec_pb2.NodeInfo:
     contract = pair.contract()
+    engine_config = config.engine
     return pdspec_pb2.NodeInfo(
         role="decode",
         protocol_version=contract.protocol_version,
@@ -176,11 +185,15 @@ def node_info(pair: ModelPair, config: DecodeConfig, engine: DecodeEngine) -> pd
         target_vocab_size=contract.target_vocab_size,
         draft_vocab_size=contract.draft_vocab_size,
         draft_to_target=list(contract.d2t),
-        max_speculative_tokens=config.max_speculative_tokens,
+        max_speculative_tokens=engine_config.max_speculative_tokens,
         sampler_backend=getattr(engine.verifier.sampler, "backend", "custom"),
-        device=config.device,
+        device=engine_config.device,
         target_model=contract.target_model,
         draft_model=contract.draft_model,
+        draft_law=engine_config.draft_law.value,
+        version=pdspec.__version__,
+        max_new_tokens_limit=config.limits.max_new_tokens,
+        max_prompt_tokens=config.limits.max_prompt_tokens,
     )
 
 
@@ -194,10 +207,14 @@ def run_server(
     pair = (pair_loader or (lambda: load_pair(config.corpus, config.target_model, config.draft_model)))()
     contract = pair.contract()
     limit = config.max_message_bytes or max_message_bytes(
-        contract, config.engine.max_speculative_tokens, config.max_prompt_tokens
+        contract, config.engine.max_speculative_tokens, config.limits.max_prompt_tokens
     )
-    server = grpc.server(
-        futures.ThreadPoolExecutor(config.workers),
+    metrics = NodeMetrics("decode", config.engine.max_speculative_tokens, VALIDATED_FIELDS)
+    shell = NodeShell(
+        SERVICE,
+        host=config.host,
+        port=config.port,
+        streams=config.engine.max_batch + config.engine.max_queue,
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -206,32 +223,31 @@ def run_server(
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
             ("grpc.http2.max_ping_strikes", 0),
         ],
+        metrics=metrics,
+        metrics_port=config.metrics_port,
     )
-    health_servicer = health.HealthServicer()
-    for name in ("", SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    metrics = NodeMetrics("decode", config.engine.max_speculative_tokens, VALIDATED_FIELDS)
     engine = engine_factory(pair, config.engine, metrics)
-    receiver = Receiver(contract, config.engine.max_speculative_tokens, pair.d2t)
-    pdspec_pb2_grpc.add_DecodeServiceServicer_to_server(
-        DecodeServicer(engine, receiver, metrics, node_info(pair, config.engine, engine)), server
+    receiver = Receiver(contract, config.engine.max_speculative_tokens, pair.d2t, config.limits)
+    info = node_info(pair, config, engine)
+    metrics.node_info.info(
+        {
+            "role": "decode",
+            "version": info.version,
+            "target_model": info.target_model,
+            "draft_model": info.draft_model,
+            "device": info.device,
+            "sampler_backend": info.sampler_backend,
+        }
     )
-    reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    metrics_server = metrics.serve(config.metrics_port, config.host) if config.metrics_port is not None else None
+    metrics.running.labels("decode").set_function(lambda: engine.running)
+    metrics.waiting.labels("decode").set_function(lambda: engine.waiting)
+    pdspec_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, receiver, metrics, info), shell.server)
     engine.start()
-    server.start()
-    for name in ("", SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("decode node serving on %s:%d (message limit %d bytes)", config.host, port, limit)
+    shell.start()
+    shell.set_serving(True)
+    log.info("decode node serving on %s:%d (message limit %d bytes)", config.host, shell.port, limit)
     try:
-        yield RunningDecodeNode(
-            server, port, metrics, metrics_server.server_port if metrics_server else None, engine, health_servicer
-        )
+        yield RunningDecodeNode(shell.server, shell.port, metrics, shell.metrics_port, engine, shell)
     finally:
-        health_servicer.enter_graceful_shutdown()
-        server.stop(config.grace_s).wait()
+        shell.stop(config.grace_s)
         engine.stop()
-        if metrics_server:
-            metrics_server.shutdown()

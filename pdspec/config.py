@@ -51,9 +51,17 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
     )
     parser.add_flag("--max-speculative-tokens", default=8, type=int, help="largest K a request may ask for")
     parser.add_flag("--default-max-new-tokens", default=64, type=int, help="when a request says 0")
+    parser.add_flag("--max-new-tokens-limit", default=4096, type=int, help="largest max_new_tokens a request may ask")
+    parser.add_flag("--max-prompt-tokens", default=8192, type=int, help="longest prompt a request may send")
     parser.add_flag("--max-message-bytes", default=None, type=int, help="gRPC message limit (default: derived)")
     parser.add_flag("--grace-seconds", default=5.0, type=float, help="drain time on shutdown")
     return parser
+
+
+def request_limits(args: argparse.Namespace):
+    from protos.validation import RequestLimits
+
+    return RequestLimits(max_new_tokens=args.max_new_tokens_limit, max_prompt_tokens=args.max_prompt_tokens)
 
 
 def node_options(args: argparse.Namespace) -> dict:

@@ -82,7 +82,9 @@ class NodeMetrics:
             "pdspec_validation_rejections", "Rejected requests by offending field", ["node", "field"], registry=reg
         )
         self.generated_tokens = Counter("pdspec_generated_tokens", "Tokens streamed to clients", ["node"], registry=reg)
-        self.prompt_tokens = Counter("pdspec_prompt_tokens", "Prompt tokens of admitted requests", ["node"], registry=reg)
+        self.prompt_tokens = Counter(
+            "pdspec_prompt_tokens", "Prompt tokens of admitted requests", ["node"], registry=reg
+        )
         self.running = Gauge("pdspec_running_requests", "Requests in the running batch", ["node"], registry=reg)
         self.waiting = Gauge("pdspec_waiting_requests", "Requests waiting for a batch slot", ["node"], registry=reg)
         self.inter_token_latency = Histogram(

@@ -1,10 +1,11 @@
-"""Run a node's `run_server` context until SIGINT or SIGTERM (then drain and exit)."""
+"""The node start-up shell both nodes share, and running it until SIGINT or SIGTERM."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
 import threading
+from collections.abc import Sequence
 
 
 def serve_until_signal(server_context: contextlib.AbstractContextManager) -> None:
@@ -13,3 +14,93 @@ def serve_until_signal(server_context: contextlib.AbstractContextManager) -> Non
         signal.signal(sig, lambda *_: stop.set())
     with server_context:
         stop.wait()
+
+
+class NodeShell:
+    """What both nodes' gRPC servers share: health (NOT_SERVING until `set_serving`),
+    reflection under grpc.reflection.v1 and v1alpha, message limits, a port that fails to
+    bind when in use, a worker pool with headroom above the engine's admission limit (so
+    pdspec's own limits answer RESOURCE_EXHAUSTED, and health checks and GetInfo always
+    find a thread), and the node's /metrics endpoint."""
+
+    def __init__(
+        self,
+        service: str,
+        *,
+        host: str,
+        port: int,
+        streams: int,
+        options: Sequence[tuple[str, object]] = (),
+        metrics=None,
+        metrics_port: int | None = None,
+    ) -> None:
+        from concurrent import futures
+
+        import grpc
+        from grpc_health.v1 import health, health_pb2_grpc
+
+        self.service = service
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(streams + HEADROOM_THREADS, thread_name_prefix=service.rsplit(".", 1)[-1]),
+            options=[("grpc.so_reuseport", 0), *options],
+        )
+        self.health = health.HealthServicer()
+        self.set_serving(False)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.host, self.requested_port = host, port
+        self.metrics, self.metrics_port_requested = metrics, metrics_port
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._metrics_server = None
+
+    def set_serving(self, serving: bool) -> None:
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", self.service):
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        from grpc_health.v1 import health
+
+        enable_reflection((self.service, health.SERVICE_NAME), self.server)
+        try:
+            self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        except RuntimeError as err:  # grpcio raises when the address cannot be bound
+            raise OSError(f"cannot listen on {self.host}:{self.requested_port} (is another node there?)") from err
+        if self.metrics is not None and self.metrics_port_requested is not None:
+            self._metrics_server = self.metrics.serve(self.metrics_port_requested, self.host)
+            self.metrics_port = self._metrics_server.server_port
+        self.server.start()
+
+    def stop(self, grace_s: float) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait()
+        if self._metrics_server:
+            self._metrics_server.shutdown()
+
+
+HEADROOM_THREADS = 16  # health checks, GetInfo, reflection and requests refused by admission
+
+
+def enable_reflection(service_names: Sequence[str], server) -> None:
+    """Server reflection under both names: newer tools (grpcurl, Postman) ask
+    grpc.reflection.v1 first, older ones v1alpha. The two protocols have the same messages
+    (only the package differs), so the v1 method is the v1alpha servicer with its bytes."""
+    import grpc
+    from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+    names = (*service_names, reflection.SERVICE_NAME, REFLECTION_V1)
+    servicer = reflection.ReflectionServicer(names)
+    reflection.enable_server_reflection(names, server)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),)
+    )
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from pdspec.config import node_options, node_parser
+from pdspec.config import node_options, node_parser, request_limits
 from pdspec.serving import serve_until_signal
 from prefill_node.engine import PrefillConfig
 from prefill_node.server import PrefillNodeConfig, run_server
@@ -31,15 +31,25 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
         type=bool,
         help="pick the smallest exact encoding (point-mass or sparse) automatically",
     )
+    parser.add_flag(
+        "--num-speculative-tokens", default=4, type=int, help="K of a request that does not set it (0 = off)"
+    )
+    parser.add_flag(
+        "--max-streams", default=160, type=int, help="concurrent Generate streams (then RESOURCE_EXHAUSTED)"
+    )
     args = parser.parse_args(argv)
     engine = PrefillConfig(
         draft_law=DraftLaw(args.draft_sampling),
         proposal_encoding=ProposalEncoding(args.proposal_encoding),
         compact_encodings=args.compact_encodings,
         max_speculative_tokens=args.max_speculative_tokens,
+        num_speculative_tokens=args.num_speculative_tokens,
         default_max_new_tokens=args.default_max_new_tokens,
+        limits=request_limits(args),
     )
-    return PrefillNodeConfig(decode_addr=args.decode_addr, engine=engine, **node_options(args))
+    return PrefillNodeConfig(
+        decode_addr=args.decode_addr, engine=engine, max_streams=args.max_streams, **node_options(args)
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,16 +10,26 @@ distribution of each (DENSE / POINT_MASS / SPARSE on the wire).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 
 import torch
 
 from models.pair import ModelPair
+from pdspec.stopping import finish_reason
 from protos import pdspec_pb2
 from protos.codec import encode_tensor
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
-from protos.validation import Violation, check_ids, check_sampling, sampling_params
-from sampling import RequestRng, SamplingTensors, propose, sample_target
+from protos.validation import (
+    RequestLimits,
+    Violation,
+    check_ids,
+    check_prompt_length,
+    check_request_id,
+    check_sampling,
+)
+from sampling import RequestRng, SamplingParams, SamplingTensors, propose, sample_target
+from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
 
 
@@ -29,7 +39,9 @@ class PrefillConfig:
     proposal_encoding: ProposalEncoding = ProposalEncoding.DENSE
     compact_encodings: bool = False  # pick POINT_MASS / SPARSE automatically (smallest exact)
     max_speculative_tokens: int = 8  # lowered to the decode peer's when it reports less
+    num_speculative_tokens: int = 4  # K of a request that does not say (clamped to the maximum)
     default_max_new_tokens: int = 64
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         if self.proposal_encoding is ProposalEncoding.POINT_MASS and self.draft_law is not DraftLaw.POINT_MASS:
@@ -40,8 +52,21 @@ class PrefillConfig:
 
 
 @dataclass(frozen=True)
+class Checked:
+    """A GenerateRequest that passed `check`, with every default resolved."""
+
+    request_id: str  # the client's, or a generated one when it sent none
+    ids: list[int]  # the prompt, tokenized
+    k: int
+    max_new_tokens: int
+    params: SamplingParams
+    sampling: pdspec_pb2.SamplingParams  # as it travels on to the decode node
+
+
+@dataclass(frozen=True)
 class Prefilled:
     first_token: int
+    first_logprob: TokenLogprob | None  # when the request asked for logprobs
     finish_reason: str  # "" while the request goes on to the decode node
     decode_request: pdspec_pb2.DecodeRequest | None
     encoding: ProposalEncoding | None
@@ -56,56 +81,74 @@ class PrefillEngine:
         self.max_speculative_tokens = config.max_speculative_tokens
         self._lock = threading.Lock()  # model calls are serialized (models need not be thread-safe)
 
-    def check(self, request: pdspec_pb2.GenerateRequest) -> list[Violation]:
-        """GenerateRequest semantics of DESIGN.md §3, before any model work."""
-        found = []
+    def check(self, request: pdspec_pb2.GenerateRequest) -> Checked | list[Violation]:
+        """GenerateRequest semantics and server limits, before any model work."""
+        found: list[Violation] = []
+        limits = self.config.limits
+        check_request_id(request.request_id, limits, found)
         has_text, has_ids = bool(request.prompt), bool(request.prompt_token_ids)
         if has_text == has_ids:
             found.append(
                 Violation("prompt", "exactly one of prompt / prompt_token_ids", "both" if has_text else "neither")
             )
         vocab = self.pair.target.vocab_size
-        check_ids("prompt_token_ids", request.prompt_token_ids, vocab, found)
-        check_sampling(request.sampling, vocab, found)
-        k = request.num_speculative_tokens
+        ids = list(request.prompt_token_ids)
+        if has_text and not has_ids:
+            # Text is bounded by the message limit; the ids it becomes are checked like ids.
+            ids = self.pair.tokenizer.encode(request.prompt)
+            if not ids:
+                found.append(Violation("prompt", "text of at least 1 token", "0 tokens"))
+        if check_prompt_length(len(ids), limits, found):
+            check_ids("prompt_token_ids", ids, vocab, found)
+        params = check_sampling(request.sampling, vocab, found, limits)
+        if request.HasField("num_speculative_tokens"):
+            k = request.num_speculative_tokens
+        else:
+            k = min(self.config.num_speculative_tokens, self.max_speculative_tokens)
         if not 0 <= k <= self.max_speculative_tokens:
             found.append(Violation("num_speculative_tokens", f"0..{self.max_speculative_tokens}", str(k)))
-        return found
+        if found:
+            return found
+        sampling = pdspec_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        sampling.max_new_tokens = request.sampling.max_new_tokens or self.config.default_max_new_tokens
+        return Checked(request.request_id or uuid.uuid4().hex, ids, k, sampling.max_new_tokens, params, sampling)
 
-    def prefill(self, request: pdspec_pb2.GenerateRequest) -> Prefilled:
+    def prefill(self, checked: Checked) -> Prefilled:
         """Run a checked request up to the DecodeRequest (or to its end)."""
         pair = self.pair
-        params = sampling_params(request.sampling)
-        rng = RequestRng(params.seed, stream="prefill")
-        ids = list(request.prompt_token_ids) or pair.tokenizer.encode(request.prompt)
-        rows = SamplingTensors.from_params([params])
+        ids, k, sampling = checked.ids, checked.k, checked.sampling
+        rng = RequestRng(checked.params.seed, stream="prefill")
+        rows = SamplingTensors.from_params([checked.params])
         with self._lock:
             logits, target_state = pair.target.prefill(ids)
             first = int(sample_target(logits.view(1, 1, -1), rows, rng.uniforms(1).view(1, 1)).token_ids[0, 0])
-            budget = request.sampling.max_new_tokens or self.config.default_max_new_tokens
-            reason = _finish_reason(first, pair.target.eos_token_ids, request.sampling.stop_token_ids, budget)
+            first_logprob = (
+                token_logprobs(logits.view(1, -1), torch.tensor([first]), sampling.logprobs)[0]
+                if sampling.logprobs
+                else None
+            )
+            reason = finish_reason(first, pair.target.eos_token_ids, sampling.stop_token_ids, 1, checked.max_new_tokens)
             if reason:
-                return Prefilled(first, reason, None, None)
-            k = request.num_speculative_tokens
+                return Prefilled(first, first_logprob, reason, None, None)
             draft_ids, draft_probs = self._propose(ids, first, k, rows, rng)
             kv = pair.target.export_state(target_state)
         decode = pdspec_pb2.DecodeRequest(
-            request_id=request.request_id,
+            request_id=checked.request_id,
             protocol_version=self.contract.protocol_version,
             contract_fingerprint=self.fingerprint,
             prompt_token_ids=ids,
             first_token_id=first,
             num_speculative_tokens=k,
+            sampling=sampling,
         )
-        decode.sampling.CopyFrom(request.sampling)
-        decode.sampling.max_new_tokens = budget
         encoding = choose_encoding(self.config.proposal_encoding, self.config.draft_law, self.config.compact_encodings)
         encode_proposal(
             pair.d2t.map_tokens(draft_ids), draft_ids, draft_probs, pair.draft.vocab_size, encoding, out=decode.proposal
         )
         for tensor in kv:
             encode_tensor(tensor, out=decode.kv_cache.add())
-        return Prefilled(first, "", decode, encoding)
+        return Prefilled(first, first_logprob, "", decode, encoding)
 
     def _propose(
         self, ids: list[int], first: int, k: int, rows: SamplingTensors, rng: RequestRng
@@ -127,11 +170,3 @@ class PrefillEngine:
                 feed = [int(self.pair.d2t.d2t[token])]
         draft_ids = torch.tensor(tokens, dtype=torch.int64)
         return draft_ids, (torch.stack(probs) if probs else None)
-
-
-def _finish_reason(token: int, eos: tuple[int, ...], stop: list[int], budget: int) -> str:
-    if token in eos:
-        return "eos"
-    if token in stop:
-        return "stop"
-    return "length" if budget <= 1 else ""

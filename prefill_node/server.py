@@ -14,43 +14,42 @@ import contextlib
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+import pdspec
 from models.pair import ModelPair, load_pair
 from pdspec.metrics import NodeMetrics
+from pdspec.serving import NodeShell
 from prefill_node.engine import PrefillConfig, PrefillEngine
+from prefill_node.service import GenerationService, RequestFailed
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.contract import max_message_bytes
-from protos.status import ended_status, to_grpc_status
+from protos.status import to_grpc_status
 
 log = logging.getLogger(__name__)
 SERVICE = pdspec_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
-# Statuses of a relayed decode call that the client sees as they are; the rest (the peer
-# died, reset the stream, ...) become UNAVAILABLE.
-PASSED_THROUGH = {
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-}
-# gRPC Python reports "the client set no deadline" as ~9.2e18 s remaining; passed on as a
-# timeout that overflows into an immediate DEADLINE_EXCEEDED. Anything beyond a year is
-# taken to mean no deadline.
-NO_DEADLINE_S = 365 * 24 * 3600.0
 KEEPALIVE = [
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+VALIDATED_FIELDS = (
+    "request_id",
+    "prompt",
+    "prompt_token_ids",
+    "sampling.stop_token_ids",
+    "sampling.temperature",
+    "sampling.top_k",
+    "sampling.top_p",
+    "sampling.max_new_tokens",
+    "sampling.logprobs",
+    "num_speculative_tokens",
+)
 
 
 @dataclass(frozen=True)
@@ -64,10 +63,9 @@ class PrefillNodeConfig:
     target_model: Path | None = None  # HF checkpoints (both or neither); default: the built-in pair
     draft_model: Path | None = None
     max_message_bytes: int | None = None
-    max_prompt_tokens: int = 8192
     peer_check_s: float = 1.0  # while the peer is not compatible; 10x that while it is
     grace_s: float = 5.0
-    workers: int = 64
+    max_streams: int = 160  # concurrent Generate streams (the worker pool has headroom above it)
 
 
 class DecodePeer:
@@ -114,16 +112,21 @@ class DecodePeer:
         except grpc.RpcError as err:
             self._set(False, f"decode peer {self.config.decode_addr} unreachable: {err.code().name}")
             return
-        contract = self.engine.contract
-        if info.protocol_version != contract.protocol_version or info.contract_fingerprint != self.engine.fingerprint:
-            self._set(
-                False,
-                f"decode peer incompatible: protocol {info.protocol_version} vs "
-                f"{contract.protocol_version}, fingerprint {info.contract_fingerprint} vs "
-                f"{self.engine.fingerprint}",
-            )
+        problem = incompatibility(info, self.engine)
+        if problem:
+            self._set(False, f"decode peer {self.config.decode_addr} incompatible: {problem}")
             return
         self.engine.max_speculative_tokens = min(self.engine.config.max_speculative_tokens, info.max_speculative_tokens)
+        if info.max_speculative_tokens < self.engine.config.max_speculative_tokens:
+            log.info(
+                "decode peer allows K <= %d (prefill's --max-speculative-tokens %d): using %d",
+                info.max_speculative_tokens,
+                self.engine.config.max_speculative_tokens,
+                self.engine.max_speculative_tokens,
+            )
+        if info.draft_law and info.draft_law != self.engine.config.draft_law.value:
+            # Still exact (every proposal carries its own law), but the two sides draft differently.
+            log.warning("draft law differs: prefill %s, decode %s", self.engine.config.draft_law.value, info.draft_law)
         self._set(True, "")
 
     def _set(self, compatible: bool, problem: str) -> None:
@@ -135,90 +138,55 @@ class DecodePeer:
             self.on_change(compatible)
 
 
+def incompatibility(info: pdspec_pb2.NodeInfo, engine: PrefillEngine) -> str:
+    """Why the decode peer described by `info` cannot take this node's requests ("" = it can),
+    saying which value is whose."""
+    contract = engine.contract
+    if info.protocol_version != contract.protocol_version:
+        return f"protocol version: prefill {contract.protocol_version}, decode {info.protocol_version}"
+    if info.contract_fingerprint == engine.fingerprint:
+        return ""
+    mine = {
+        "target_model": contract.target_model,
+        "draft_model": contract.draft_model,
+        "target_vocab_size": contract.target_vocab_size,
+        "draft_vocab_size": contract.draft_vocab_size,
+        "draft_to_target": list(contract.d2t),
+    }
+    theirs = {name: getattr(info, name) for name in mine}
+    theirs["draft_to_target"] = list(info.draft_to_target)
+    differ = [
+        f"{name}: prefill {_short(mine[name])}, decode {_short(theirs[name])}"
+        for name in mine
+        if mine[name] != theirs[name]
+    ] or ["KV layout (models, dtype or shapes)"]
+    return (
+        f"contract fingerprint: prefill {engine.fingerprint}, decode {info.contract_fingerprint} ({'; '.join(differ)})"
+    )
+
+
+def _short(value) -> str:
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class PrefillServicer(pdspec_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, engine: PrefillEngine, peer: DecodePeer, metrics: NodeMetrics, info: pdspec_pb2.NodeInfo):
-        self.engine = engine
-        self.peer = peer
-        self.metrics = metrics
+    """gRPC front end of the generation service."""
+
+    def __init__(self, service: GenerationService, info: pdspec_pb2.NodeInfo):
+        self.service = service
         self.info = info
 
     def GetInfo(self, request, context):
         return self.info
 
     def Generate(self, request: pdspec_pb2.GenerateRequest, context: grpc.ServicerContext):
-        started = time.monotonic()
-        outcome = ["OK"]
         try:
-            yield from self._generate(request, context, started, outcome)
-        except GeneratorExit:  # gRPC closed the stream: the client cancelled or its deadline passed
-            outcome[0] = ended_status(context)
-            raise
-        finally:
-            self.metrics.finish_request(started, outcome[0])
-
-    def _generate(self, request, context, started: float, outcome: list[str]):
-        rid = request.request_id
-        violations = self.engine.check(request)
-        if violations:
-            for violation in violations:
-                self.metrics.validation_rejections.labels("prefill", violation.field).inc()
-            outcome[0] = "INVALID_ARGUMENT"
-            context.abort_with_status(to_grpc_status(violations, rid))
-        if not self.peer.compatible:
-            outcome[0] = "UNAVAILABLE"
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid!r}: {self.peer.problem}")
-        prefilled = self.engine.prefill(request)
-        detokenizer = self.engine.pair.tokenizer.incremental()
-        first = pdspec_pb2.GenerateResponse(
-            request_id=rid, token_ids=[prefilled.first_token], text=detokenizer.push([prefilled.first_token])
-        )
-        self.metrics.time_to_first_token.labels("prefill").observe(time.monotonic() - started)
-        self.metrics.generated_tokens.labels("prefill").inc()
-        if prefilled.finish_reason:
-            first.text += detokenizer.flush()
-            first.finished, first.finish_reason = True, prefilled.finish_reason
-            first.stats.SetInParent()
-            yield first
-            return
-        yield first
-        decode = prefilled.decode_request
-        self.metrics.proposal_bytes.labels("prefill", prefilled.encoding.value).inc(decode.proposal.ByteSize())
-        self.metrics.kv_bytes.labels("prefill").inc(sum(len(t.data) for t in decode.kv_cache))
-        if not context.is_active():  # the client left while we prefilled: start nothing
-            outcome[0] = ended_status(context)
-            return
-        call = self.peer.stub.Decode(decode, timeout=decode_timeout(context))
-        # A client cancel cancels the decode stream; add_callback returns False when the RPC
-        # already ended, and then nothing would call it.
-        if not context.add_callback(call.cancel):
-            call.cancel()
-        try:
-            for response in call:
-                if not context.is_active():
-                    outcome[0] = ended_status(context)
-                    return
-                response.text = detokenizer.push(response.token_ids)
-                if response.finished:
-                    response.text += detokenizer.flush()
-                self.metrics.generated_tokens.labels("prefill").inc(len(response.token_ids))
-                yield response
-        except grpc.RpcError as err:
-            if not context.is_active():
-                outcome[0] = ended_status(context)
-                return
-            code = err.code() if err.code() in PASSED_THROUGH else grpc.StatusCode.UNAVAILABLE
-            if code is grpc.StatusCode.UNAVAILABLE:
-                self.peer.recheck()
-            outcome[0] = code.name
-            context.abort(code, f"request {rid!r}: decode node: {err.code().name}: {err.details()}")
-        finally:
-            call.cancel()  # every way out (return, abort, a closed stream) ends the decode call
-
-
-def decode_timeout(context: grpc.ServicerContext) -> float | None:
-    """The client's remaining deadline for the relayed decode call; None when it set none."""
-    remaining = context.time_remaining()
-    return None if remaining is None or remaining > NO_DEADLINE_S else remaining
+            yield from self.service.generate(request, context)
+        except RequestFailed as err:
+            if err.violations:
+                context.abort_with_status(to_grpc_status(err.violations, err.request_id))
+            context.abort(getattr(grpc.StatusCode, err.code), err.message)
 
 
 @dataclass
@@ -229,11 +197,13 @@ class RunningPrefillNode:
     metrics_port: int | None
     engine: PrefillEngine
     peer: DecodePeer
-    health: health.HealthServicer
+    service: GenerationService
+    shell: NodeShell
 
 
 def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.NodeInfo:
     contract = engine.contract
+    limits = config.engine.limits
     return pdspec_pb2.NodeInfo(
         role="prefill",
         protocol_version=contract.protocol_version,
@@ -246,6 +216,11 @@ def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.No
         device="cpu",
         target_model=contract.target_model,
         draft_model=contract.draft_model,
+        draft_law=config.engine.draft_law.value,
+        proposal_encoding=config.engine.proposal_encoding.value,
+        version=pdspec.__version__,
+        max_new_tokens_limit=limits.max_new_tokens,
+        max_prompt_tokens=limits.max_prompt_tokens,
     )
 
 
@@ -256,49 +231,36 @@ def run_server(
     pair = (pair_loader or (lambda: load_pair(config.corpus, config.target_model, config.draft_model)))()
     engine = PrefillEngine(pair, config.engine)
     limit = config.max_message_bytes or max_message_bytes(
-        engine.contract, config.engine.max_speculative_tokens, config.max_prompt_tokens
+        engine.contract, config.engine.max_speculative_tokens, config.engine.limits.max_prompt_tokens
     )
-    server = grpc.server(futures.ThreadPoolExecutor(config.workers))
-    health_servicer = health.HealthServicer()
-
-    def set_health(serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE):
-            health_servicer.set(name, status)
-
-    set_health(False)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    metrics = NodeMetrics(
-        "prefill",
-        config.engine.max_speculative_tokens,
-        (
-            "prompt",
-            "prompt_token_ids",
-            "sampling.stop_token_ids",
-            "sampling.temperature",
-            "sampling.top_k",
-            "sampling.top_p",
-            "sampling.max_new_tokens",
-            "num_speculative_tokens",
-        ),
+    metrics = NodeMetrics("prefill", config.engine.max_speculative_tokens, VALIDATED_FIELDS)
+    shell = NodeShell(
+        SERVICE,
+        host=config.host,
+        port=config.port,
+        streams=config.max_streams,
+        metrics=metrics,
+        metrics_port=config.metrics_port,
     )
-    peer = DecodePeer(config, engine, set_health, limit)
-    pdspec_pb2_grpc.add_PrefillServiceServicer_to_server(
-        PrefillServicer(engine, peer, metrics, node_info(engine, config)), server
+    peer = DecodePeer(config, engine, shell.set_serving, limit)
+    service = GenerationService(engine, peer, metrics, config.max_streams)
+    info = node_info(engine, config)
+    metrics.node_info.info(
+        {
+            "role": "prefill",
+            "version": info.version,
+            "target_model": info.target_model,
+            "draft_model": info.draft_model,
+            "device": info.device,
+        }
     )
-    reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    metrics_server = metrics.serve(config.metrics_port, config.host) if config.metrics_port is not None else None
-    server.start()
+    metrics.running.labels("prefill").set_function(lambda: service.in_flight)
+    pdspec_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(service, info), shell.server)
+    shell.start()
     peer.start()
-    log.info("prefill node on %s:%d, decode peer %s", config.host, port, config.decode_addr)
+    log.info("prefill node on %s:%d, decode peer %s", config.host, shell.port, config.decode_addr)
     try:
-        yield RunningPrefillNode(
-            server, port, metrics, metrics_server.server_port if metrics_server else None, engine, peer, health_servicer
-        )
+        yield RunningPrefillNode(shell.server, shell.port, metrics, shell.metrics_port, engine, peer, service, shell)
     finally:
-        health_servicer.enter_graceful_shutdown()
-        server.stop(config.grace_s).wait()
+        shell.stop(config.grace_s)
         peer.stop()
-        if metrics_server:
-            metrics_server.shutdown()

@@ -32,7 +32,7 @@ class TensorPB(_message.Message):
     def __init__(self, data_type: _Optional[_Union[TensorPB.DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("do_sample", "temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop_token_ids")
+    __slots__ = ("do_sample", "temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop_token_ids", "logprobs")
     DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     do_sample: bool
     temperature: float
     top_k: int
@@ -47,7 +48,8 @@ class SamplingParams(_message.Message):
     seed: int
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("encoding", "token_ids", "probs", "sparse_ids", "sparse_probs")
@@ -74,34 +76,48 @@ class Proposal(_message.Message):
     def __init__(self, encoding: _Optional[_Union[Proposal.Encoding, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[TensorPB, _Mapping]] = ..., sparse_ids: _Optional[_Union[TensorPB, _Mapping]] = ..., sparse_probs: _Optional[_Union[TensorPB, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "num_speculative_tokens")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "num_speculative_tokens", "stop")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     num_speculative_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "stats")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "stats", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finished: bool
     finish_reason: str
     stats: RequestStats
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
     __slots__ = ("verify_steps", "draft_tokens", "accepted_tokens", "accepted_per_position")
@@ -142,7 +158,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("role", "protocol_version", "contract_fingerprint", "target_vocab_size", "draft_vocab_size", "draft_to_target", "max_speculative_tokens", "sampler_backend", "device", "target_model", "draft_model")
+    __slots__ = ("role", "protocol_version", "contract_fingerprint", "target_vocab_size", "draft_vocab_size", "draft_to_target", "max_speculative_tokens", "sampler_backend", "device", "target_model", "draft_model", "draft_law", "proposal_encoding", "version", "max_new_tokens_limit", "max_prompt_tokens", "dtype", "backends")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +170,13 @@ class NodeInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LAW_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
     role: str
     protocol_version: int
     contract_fingerprint: str
@@ -165,4 +188,11 @@ class NodeInfo(_message.Message):
     device: str
     target_model: str
     draft_model: str
-    def __init__(self, role: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., draft_to_target: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., sampler_backend: _Optional[str] = ..., device: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ...) -> None: ...
+    draft_law: str
+    proposal_encoding: str
+    version: str
+    max_new_tokens_limit: int
+    max_prompt_tokens: int
+    dtype: str
+    backends: str
+    def __init__(self, role: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., draft_to_target: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., sampler_backend: _Optional[str] = ..., device: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_law: _Optional[str] = ..., proposal_encoding: _Optional[str] = ..., version: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., backends: _Optional[str] = ...) -> None: ...

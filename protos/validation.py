@@ -50,17 +50,33 @@ class Violation:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """Server limits both nodes enforce before any model work (INVALID_ARGUMENT naming the
+    limit): a request may not hold a slot, a KV reservation or a co-batched neighbour's time
+    beyond these."""
+
+    max_new_tokens: int = 4096  # --max-new-tokens-limit
+    max_prompt_tokens: int = 8192  # --max-prompt-tokens
+    max_stop_token_ids: int = 64
+    max_request_id_bytes: int = 256
+    max_logprobs: int = 5
+
+
+@dataclass(frozen=True)
 class Receiver:
-    """What the decode node accepts: its contract, K limit and the validated d2t map."""
+    """What the decode node accepts: its contract, K limit, the validated d2t map, limits."""
 
     contract: Contract
     max_speculative_tokens: int
     d2t_map: DraftToTargetMap
+    limits: RequestLimits = RequestLimits()
 
     @classmethod
-    def from_contract(cls, contract: Contract, max_speculative_tokens: int) -> Receiver:
+    def from_contract(
+        cls, contract: Contract, max_speculative_tokens: int, limits: RequestLimits | None = None
+    ) -> Receiver:
         d2t = DraftToTargetMap(torch.tensor(contract.d2t, dtype=torch.int64), contract.target_vocab_size)
-        return cls(contract, max_speculative_tokens, d2t)
+        return cls(contract, max_speculative_tokens, d2t, limits or RequestLimits())
 
 
 @dataclass(frozen=True)
@@ -76,6 +92,7 @@ class DecodeInput:
     draft_token_ids: torch.Tensor  # [K] int64, target ids
     draft_probs: torch.Tensor | None  # [K, Vt] float32 target space; None = point mass
     kv_cache: list[torch.Tensor] = field(default_factory=list)
+    logprobs: int = 0  # top log-probabilities to report per token (0 = none)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -89,11 +106,14 @@ def validate_decode_request(request: pdspec_pb2.DecodeRequest, receiver: Receive
     if precondition:
         return precondition  # the rest of the message may not even mean what we think
     found: list[Violation] = []
-    params = check_sampling(request.sampling, contract.target_vocab_size, found)
+    limits = receiver.limits
+    check_request_id(request.request_id, limits, found)
+    params = check_sampling(request.sampling, contract.target_vocab_size, found, limits)
     vocab = contract.target_vocab_size
     if not request.prompt_token_ids:
         found.append(Violation("prompt_token_ids", "at least 1 id", "0 ids"))
-    check_ids("prompt_token_ids", request.prompt_token_ids, vocab, found)
+    if check_prompt_length(len(request.prompt_token_ids), limits, found):
+        check_ids("prompt_token_ids", request.prompt_token_ids, vocab, found)
     check_ids("first_token_id", [request.first_token_id], vocab, found)
     k = request.num_speculative_tokens
     if not 0 <= k <= receiver.max_speculative_tokens:
@@ -124,6 +144,7 @@ def validate_decode_request(request: pdspec_pb2.DecodeRequest, receiver: Receive
         draft_token_ids=draft_token_ids,
         draft_probs=draft_probs,
         kv_cache=kv_cache,
+        logprobs=request.sampling.logprobs,
     )
 
 
@@ -156,17 +177,56 @@ def sampling_params(sampling: pdspec_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, seed)
 
 
-def check_sampling(sampling: pdspec_pb2.SamplingParams, vocab: int, found: list[Violation]) -> SamplingParams:
-    """Parameter domains, max_new_tokens and stop ids (shared by both nodes' checks)."""
+def check_sampling(
+    sampling: pdspec_pb2.SamplingParams, vocab: int, found: list[Violation], limits: RequestLimits
+) -> SamplingParams:
+    """Parameter domains, max_new_tokens, stop ids and logprobs (shared by both nodes' checks)."""
     try:
         params = sampling_params(sampling)
     except InvalidParameter as err:
         found.append(Violation(f"sampling.{err.field}", err.expected, err.actual))
         params = SamplingParams()
-    if sampling.max_new_tokens < 0:
-        found.append(Violation("sampling.max_new_tokens", ">= 0 (0 = server default)", str(sampling.max_new_tokens)))
-    check_ids("sampling.stop_token_ids", sampling.stop_token_ids, vocab, found)
+    if not 0 <= sampling.max_new_tokens <= limits.max_new_tokens:
+        found.append(
+            Violation(
+                "sampling.max_new_tokens",
+                f"0..{limits.max_new_tokens} (0 = server default; limit --max-new-tokens-limit)",
+                str(sampling.max_new_tokens),
+            )
+        )
+    if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+        found.append(
+            Violation(
+                "sampling.stop_token_ids",
+                f"at most {limits.max_stop_token_ids} ids",
+                f"{len(sampling.stop_token_ids)} ids",
+            )
+        )
+    else:
+        check_ids("sampling.stop_token_ids", sampling.stop_token_ids, vocab, found)
+    if not 0 <= sampling.logprobs <= limits.max_logprobs:
+        found.append(Violation("sampling.logprobs", f"0..{limits.max_logprobs}", str(sampling.logprobs)))
     return params
+
+
+def check_prompt_length(length: int, limits: RequestLimits, found: list[Violation]) -> bool:
+    """False (and a violation) when the prompt is over the limit: its ids are not even scanned."""
+    if length > limits.max_prompt_tokens:
+        found.append(
+            Violation(
+                "prompt_token_ids",
+                f"at most {limits.max_prompt_tokens} tokens (limit --max-prompt-tokens)",
+                f"{length} tokens",
+            )
+        )
+        return False
+    return True
+
+
+def check_request_id(request_id: str, limits: RequestLimits, found: list[Violation]) -> None:
+    size = len(request_id.encode())
+    if size > limits.max_request_id_bytes:
+        found.append(Violation("request_id", f"at most {limits.max_request_id_bytes} bytes", f"{size} bytes"))
 
 
 def check_ids(name: str, ids, vocab: int, found: list[Violation]) -> None:

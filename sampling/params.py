@@ -1,8 +1,9 @@
 """Per-request sampling parameters and their batched tensor form.
 
 Proto3 defaults mean "disabled": top_k = 0 keeps every token, top_p of 0 or 1 keeps
-every token. A row is greedy iff do_sample is false, temperature == 0 or top_k == 1
-(DESIGN.md §2); greedy rows sample the argmax and their distribution is a point mass.
+every token. A row is greedy iff do_sample is false, temperature < FLOAT32_TINY (0 and
+every float32 subnormal: logits / T would overflow to -inf everywhere and softmax to NaN)
+or top_k == 1; greedy rows sample the argmax and their distribution is a point mass.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32, ~1.18e-38
 
 
 class InvalidParameter(ValueError):
@@ -42,7 +45,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return not self.do_sample or self.temperature == 0 or self.top_k == 1
+        return not self.do_sample or self.temperature < FLOAT32_TINY or self.top_k == 1
 
     @property
     def effective_top_p(self) -> float:

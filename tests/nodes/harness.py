@@ -49,7 +49,7 @@ def generate_many(
                 do_sample=True, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens
             ),
         )
-        prefilled = prefill.prefill(request)
+        prefilled = prefill.prefill(prefill.check(request))
         outputs.append([prefilled.first_token])
         if prefilled.finish_reason:
             handles.append(None)

@@ -15,7 +15,7 @@ from decode_node.engine import DecodeConfig
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from tests.nodes.conftest import cluster, wait_until
 
-LONG = 1_000_000  # a leaked request would hold its slot for minutes
+LONG = 4096  # the default --max-new-tokens-limit: a leaked request holds its slot for seconds
 
 
 def _drain(call) -> grpc.StatusCode:
@@ -34,7 +34,7 @@ def _decode_request(prefill, seed: int) -> pdspec_pb2.DecodeRequest:
         num_speculative_tokens=4,
         sampling=pdspec_pb2.SamplingParams(do_sample=True, seed=seed, max_new_tokens=LONG),
     )
-    return prefill.engine.prefill(request).decode_request
+    return prefill.engine.prefill(prefill.engine.check(request)).decode_request
 
 
 def _settled(node, started: float) -> float:

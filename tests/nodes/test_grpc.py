@@ -123,7 +123,7 @@ def test_bad_decode_requests_through_the_running_decode_node(nodes):
         num_speculative_tokens=3,
         sampling=pdspec_pb2.SamplingParams(do_sample=True, max_new_tokens=10),
     )
-    good = prefill.engine.prefill(request).decode_request
+    good = prefill.engine.prefill(prefill.engine.check(request)).decode_request
     stub = pdspec_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(f"127.0.0.1:{decode.port}"))
     mutations = {
         "protocol_version": (lambda r: setattr(r, "protocol_version", 9), grpc.StatusCode.FAILED_PRECONDITION),
@@ -185,7 +185,7 @@ def test_full_queue_is_resource_exhausted(pair):
 
 def test_client_cancel_frees_the_decode_slot(nodes):
     client, _, decode = nodes
-    stream = client.stream("import ", max_new_tokens=5000, seed=5, timeout=30)
+    stream = client.stream("import ", max_new_tokens=4096, seed=5, timeout=30)
     next(stream)
     next(stream)
     wait_until(lambda: decode.engine.load == 1, what="request in the batch")
@@ -215,7 +215,7 @@ def test_deadline_is_honoured(nodes):
     client, _, decode = nodes
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-        client.generate("import ", max_new_tokens=100000, seed=9, timeout=0.5)
+        client.generate("import ", max_new_tokens=4096, seed=9, timeout=0.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 3
     wait_until(lambda: decode.engine.load == 0, what="slot freed after deadline")

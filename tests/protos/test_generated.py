@@ -80,11 +80,40 @@ FIXED = {
 }
 
 
+# Fields added after the fixed contract: new numbers only, never a renumbered fixed one.
+ADDED = {
+    "SamplingParams": {"logprobs": 8},
+    "GenerateRequest": {"stop": 6},
+    "GenerateResponse": {"logprobs": 7},
+    "TokenLogprob": {"logprob": 1, "top_token_ids": 2, "top_logprobs": 3},
+    "NodeInfo": {
+        "draft_law": 12,
+        "proposal_encoding": 13,
+        "version": 14,
+        "max_new_tokens_limit": 15,
+        "max_prompt_tokens": 16,
+        "dtype": 17,
+        "backends": 18,
+    },
+}
+
+
 def test_fixed_field_numbers():
     assert pdspec_pb2.DESCRIPTOR.package == "pdspec.v1"
-    for message, fields in FIXED.items():
+    for message in FIXED.keys() | ADDED.keys():
         descriptor = pdspec_pb2.DESCRIPTOR.message_types_by_name[message]
-        assert {f.name: f.number for f in descriptor.fields} == fields, message
+        assert {f.name: f.number for f in descriptor.fields} == FIXED.get(message, {}) | ADDED.get(message, {}), message
+
+
+def test_optional_num_speculative_tokens_is_wire_compatible():
+    """`optional` only adds presence: 0 set explicitly is distinguishable from unset, and
+    the bytes of a set field are those of the old plain int32."""
+    unset = pdspec_pb2.GenerateRequest(prompt="x")
+    assert not unset.HasField("num_speculative_tokens") and unset.num_speculative_tokens == 0
+    zero = pdspec_pb2.GenerateRequest(prompt="x", num_speculative_tokens=0)
+    assert zero.HasField("num_speculative_tokens")
+    assert pdspec_pb2.GenerateRequest.FromString(zero.SerializeToString()).HasField("num_speculative_tokens")
+    assert pdspec_pb2.GenerateRequest(num_speculative_tokens=3).SerializeToString() == bytes([5 << 3, 3])
 
 
 def test_fixed_enums_and_services():

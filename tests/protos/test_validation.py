@@ -201,13 +201,37 @@ def test_kv_cache_count_dtype_and_shape():
         ("temperature", -0.5, "a finite value >= 0, got -0.5"),
         ("top_k", -3, ">= 0 (0 disables), got -3"),
         ("top_p", 1.5, "[0, 1]"),
-        ("max_new_tokens", -1, ">= 0"),
+        ("max_new_tokens", -1, "0..4096"),
+        ("max_new_tokens", 4097, "limit --max-new-tokens-limit"),
+        ("max_new_tokens", 2**31 - 1, "0..4096"),
+        ("temperature", math.inf, "a finite value"),
+        ("temperature", math.nan, "a finite value"),
+        ("logprobs", 6, "0..5"),
     ],
 )
 def test_sampling_params_out_of_domain(field, value, contains):
     request = valid_request()
     setattr(request.sampling, field, value)
     only(request, f"sampling.{field}", contains=contains)
+
+
+def test_server_limits_on_prompt_stop_ids_and_request_id():
+    request = valid_request(prompt_len=5)
+    tight = validation.Receiver(
+        RECEIVER.contract, K_MAX, RECEIVER.d2t_map, validation.RequestLimits(max_prompt_tokens=4)
+    )
+    found = {v.field: v for v in validate_decode_request(request, tight)}
+    assert "at most 4 tokens (limit --max-prompt-tokens)" in found["prompt_token_ids"].description
+    request = valid_request()
+    request.sampling.stop_token_ids.extend([1] * 65)
+    only(request, "sampling.stop_token_ids", contains="at most 64 ids, got 65 ids")
+    request = valid_request()
+    request.request_id = "x" * 257
+    only(request, "request_id", contains="at most 256 bytes, got 257 bytes")
+    request = valid_request()
+    request.request_id = "x" * 256
+    request.sampling.stop_token_ids.extend([1] * 64)
+    assert isinstance(validate_decode_request(request, RECEIVER), DecodeInput)
 
 
 def test_decoding_does_not_touch_the_request():
