@@ -123,3 +123,27 @@ def test_healthcheck_command(pair):
         assert healthcheck.main(["--addr", f"127.0.0.1:{decode.port}"]) == 0
         assert healthcheck.main(["--addr", f"127.0.0.1:{prefill.port}", "--service", "pdspec.v1.PrefillService"]) == 0
     assert healthcheck.main(["--addr", "127.0.0.1:1", "--timeout", "0.5"]) == 1
+
+
+def test_license_is_the_apache_2_text_pyproject_names():
+    text = (ROOT / "LICENSE").read_text()
+    assert 'license = "Apache-2.0"' in (ROOT / "pyproject.toml").read_text()
+    assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
+    for n, section in enumerate(
+        [
+            "Definitions",
+            "Grant of Copyright License",
+            "Grant of Patent License",
+            "Redistribution",
+            "Submission of Contributions",
+            "Trademarks",
+            "Disclaimer of Warranty",
+            "Limitation of Liability",
+            "Accepting Warranty or Additional Liability",
+        ],
+        start=1,
+    ):
+        assert f"   {n}. {section}." in text, section
+    assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX: How to apply the Apache License" in text
+    assert "Copyright 2026 The pdspec authors" in text and "[yyyy]" not in text
+    assert len(text.split()) > 1500  # the whole text, not a summary
