@@ -22,7 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from decode_node.engine import DecodeConfig, DecodeEngine, Event, QueueFull
-from models.pair import ModelPair, load_pair
+from models.loader import load_pair
+from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.contract import max_message_bytes

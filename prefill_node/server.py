@@ -24,7 +24,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from models.pair import ModelPair, load_pair
+from models.loader import load_pair
+from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2, pdspec_pb2_grpc
