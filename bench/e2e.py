@@ -27,7 +27,7 @@ from bench.common import environment, markdown_table, write_results
 from decode_node.engine import DecodeConfig, DecodeEngine
 from decode_node.server import DecodeNodeConfig
 from decode_node.server import run_server as run_decode
-from models.pair import load_pair
+from models.loader import load_pair
 from pdspec.client import Client
 from prefill_node.engine import PrefillConfig
 from prefill_node.server import PrefillNodeConfig

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, markdown_table, median_ms, write_results
-from models.pair import load_pair
+from models.loader import load_pair
 
 KS = [1, 4, 8]
 

@@ -20,7 +20,8 @@ import grpc
 
 import pdspec
 from decode_node.engine import DecodeConfig, DecodeEngine, Event, QueueFull
-from models.pair import ModelPair, load_pair
+from models.loader import load_pair
+from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from pdspec.serving import NodeShell
 from protos import pdspec_pb2, pdspec_pb2_grpc

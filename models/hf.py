@@ -28,7 +28,7 @@ import torch
 
 from models.base import State
 from models.pair import ModelPair
-from models.tokenizer import IncrementalTextDecoder
+from models.tokenizer import TextTokenizer
 from protos.contract import SEQ, KvTensorSpec
 from sampling import DraftToTargetMap
 
@@ -235,20 +235,6 @@ def load_hf_pair(
             tokenizer.get_vocab(), draft_tokenizer.get_vocab(), target.vocab_size, draft_vocab
         )
         draft = HFCausalLM(draft_dir, dtype=dtype, device=device, output_mask=mask, input_map=t2d)
-    return ModelPair(target, draft, DraftToTargetMap(d2t, target.vocab_size), _TextTokenizer(tokenizer))
-
-
-class _TextTokenizer:
-    """The target's HF tokenizer behind the `Tokenizer` protocol."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    def incremental(self) -> IncrementalTextDecoder:
-        return IncrementalTextDecoder(self)
+    return ModelPair(
+        target, draft, DraftToTargetMap(d2t, target.vocab_size), TextTokenizer(tokenizer, target.eos_token_ids)
+    )

@@ -1,9 +1,8 @@
-"""A target/draft pair as both nodes load it, and the contract it implies."""
+"""A target/draft pair as both nodes load it, and the contract it implies (loading: models/loader.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from models.base import CausalLM, Tokenizer
 from protos.contract import Contract
@@ -26,22 +25,3 @@ class ModelPair:
             draft_model=self.draft.name,
             kv_layout=self.target.kv_layout,
         )
-
-
-def load_pair(
-    corpus: Path | None = None, target_model: Path | None = None, draft_model: Path | None = None, device: str = "cpu"
-) -> ModelPair:
-    """HF checkpoints when both directories are given; else the built-in n-gram pair
-    (the embedded default) trained on `corpus`."""
-    if (target_model is None) != (draft_model is None):
-        raise ValueError(
-            f"models: expected both --target-model and --draft-model or neither, got "
-            f"target={target_model} draft={draft_model}"
-        )
-    if target_model is not None:
-        from models.hf import load_hf_pair
-
-        return load_hf_pair(target_model, draft_model, device=device)
-    from models.ngram import load_builtin_pair
-
-    return load_builtin_pair(corpus)

@@ -57,3 +57,23 @@ class IncrementalTextDecoder:
         text = self.tokenizer.decode(self.ids)
         piece, self.emitted = text[self.emitted :], len(text)
         return piece
+
+
+class TextTokenizer:
+    """A transformers (fast) tokenizer behind the `Tokenizer` protocol, with what a chat
+    front end needs from it: the chat template and the end-of-turn ids."""
+
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template: str | None = getattr(tokenizer, "chat_template", None)
+        own = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = tuple(dict.fromkeys([*eos_token_ids, *([] if own is None else [own])]))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def incremental(self) -> IncrementalTextDecoder:
+        return IncrementalTextDecoder(self)

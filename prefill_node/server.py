@@ -21,7 +21,8 @@ from pathlib import Path
 import grpc
 
 import pdspec
-from models.pair import ModelPair, load_pair
+from models.loader import load_pair
+from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from pdspec.serving import NodeShell
 from prefill_node.engine import PrefillConfig, PrefillEngine

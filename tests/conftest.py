@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from models.pair import load_pair
+from models.loader import load_pair
 from sampling.rejection import cupy_available
 
 

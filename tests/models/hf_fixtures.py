@@ -112,3 +112,44 @@ def make_pair_dirs(root: Path, *, draft_kind: str) -> tuple[Path, Path]:
         draft_words = [*sorted(set(target_words))[::2], "zebra", "quokka"]  # a subset plus draft-only words
         draft = make_llama(root / "draft", len(set(draft_words)) + 2, seed=2, layers=1, words=draft_words)
     return target, draft
+
+
+def make_family_checkpoint(
+    directory: Path,
+    model_type: str,
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    vocab_size: int = 96,
+    hidden: int = 64,
+    max_shard_size: str | None = None,
+    **overrides,
+) -> Path:
+    """A tiny random Llama / Qwen2 / Mistral checkpoint (safetensors) with `overrides` on its
+    transformers config (rope_scaling, tie_word_embeddings, attention_bias, sliding_window...)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[model_type]
+    config = config_class(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=overrides.pop("max_position_embeddings", 256),
+        eos_token_id=1,
+        bos_token_id=0,
+        **{"tie_word_embeddings": False, **overrides},
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # sharper than the default init, so greedy continuations are not near-ties
+        model.get_output_embeddings().weight.mul_(8)
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.1)  # zero-initialized by default: make the bias path visible
+    directory.mkdir(parents=True, exist_ok=True)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+    return directory

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models.hf import HFCausalLM, load_d2t_file, load_hf_pair
-from models.pair import load_pair
+from models.loader import load_pair
 from tests.models.hf_fixtures import make_pair_dirs
 
 # Needs the [hf] extra (installed by `make test` through the dev extra; optional for users).

@@ -10,7 +10,7 @@ import collections
 import pytest
 from scipy import stats
 
-from models.pair import load_pair
+from models.loader import load_pair
 from sampling.proposal import DraftLaw
 from tests.nodes.harness import exact_joint, generate_many
 from tests.sampling.helpers import ALPHA, biased_rejection_sample

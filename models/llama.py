@@ -1,0 +1,591 @@
+"""pdspec's own Llama-family model code (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2).
+
+One file, top to bottom: the config, the modules (embedding, RMSNorm, RoPE, GQA attention,
+SwiGLU MLP, tied or untied head), the KV-store interface, a contiguous CPU store and the
+`CausalLM` wrapper that pdspec's nodes use.
+
+The forward runs on a FLATTENED RAGGED batch: `tokens [N]`, `positions [N]` for all rows
+concatenated. The model holds no cache. Each attention layer hands its new q/k/v to a KV
+store (`kv.attend(layer, q, k, v)`), which writes k/v into that row's slots and attends each
+row's queries causally over that row's live KV only. The store knows the batch layout (which
+rows, how many new tokens each); the model only knows tokens and positions. So a paged store
+(block tables over a preallocated pool, slot mappings, CUDA graphs replaying fixed-shape
+batches) is another `KvStore` implementation and needs no change here.
+
+Numerics follow transformers exactly where parity depends on it: RMSNorm in float32, RoPE
+cos/sin from float32 `position * inv_freq` (cast to the model dtype after), the same
+inverse-frequency formulas for each rope type.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.base import State
+from protos.contract import SEQ, KvTensorSpec
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
+
+
+# ---------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_positions: int = 8192  # llama3
+    max_position_embeddings: int = 2048  # dynamic-NTK scales past this length
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: always; Llama: attention_bias
+    o_bias: bool = False  # Llama's attention_bias also covers o_proj; Qwen2's does not
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # Mistral v0.1: keys older than this many positions are hidden
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type: expected one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_scaling.rope_type: expected one of {SUPPORTED_ROPE_TYPES}, got {self.rope_type!r}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_key_value_heads: expected a divisor of num_attention_heads={self.num_heads}, "
+                f"got {self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: expected an even number (RoPE rotates pairs), got {self.head_dim}")
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> LlamaConfig:
+        """From a transformers `config.json` dict (v4 `rope_scaling`/`rope_theta` or v5 `rope_parameters`)."""
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type: expected one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act: expected 'silu' (SwiGLU), got {act!r}")
+        if config.get("use_sliding_window"):  # Qwen2's per-layer window (max_window_layers) is not implemented
+            raise ValueError("use_sliding_window: expected false (Qwen2 sliding-window layers unsupported), got true")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            if not isinstance(config.get(name), int):
+                raise ValueError(f"{name}: expected an int in config.json, got {config.get(name)!r}")
+        heads = config["num_attention_heads"]
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        max_positions = int(config.get("max_position_embeddings", 2048))
+        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor: expected 1.0 (full-width RoPE), got {partial}")
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
+        bias = bool(config.get("attention_bias", False))
+        window = config.get("sliding_window") if model_type == "mistral" else None
+        return cls(
+            model_type=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate_size=config["intermediate_size"],
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_type=rope_type,
+            rope_factor=float(rope.get("factor", 1.0)),
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_max_positions=int(rope.get("original_max_position_embeddings", max_positions)),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else bias,
+            o_bias=bias if model_type == "llama" else False,
+            mlp_bias=bool(config.get("mlp_bias", False)) if model_type == "llama" else False,
+            sliding_window=int(window) if window else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=config.get("bos_token_id"),
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, the formulas of transformers' ROPE_INIT_FUNCTIONS
+    (dynamic-NTK's base value; its per-length rescaling is `dynamic_inv_freq`)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_type == "linear":
+        inv_freq = inv_freq / config.rope_factor
+    elif config.rope_type == "llama3":
+        factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+        old_context = config.rope_original_max_positions
+        low_wavelen, high_wavelen = old_context / low, old_context / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def dynamic_inv_freq(config: LlamaConfig, seq_lens: torch.Tensor) -> torch.Tensor:
+    """[N, head_dim / 2] dynamic-NTK frequencies for rows of total length `seq_lens [N]`.
+
+    transformers recomputes the base from the longest position of the forward, with float32
+    tensor arithmetic; a row no longer than max_position_embeddings keeps the plain frequencies.
+    Here the length is per row (not per batch) so a request's logits never depend on its batch."""
+    dim, max_pos, factor = config.head_dim, config.max_position_embeddings, config.rope_factor
+    seq = torch.maximum(seq_lens, torch.tensor(max_pos, dtype=seq_lens.dtype, device=seq_lens.device))
+    base = config.rope_theta * ((factor * seq / max_pos) - (factor - 1)) ** (dim / (dim - 2))  # [N] float32
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=seq_lens.device).float() / dim
+    scaled = 1.0 / (base[:, None] ** exponents[None, :])
+    plain = rope_inv_freq(config).to(seq_lens.device)
+    return torch.where((seq_lens > max_pos)[:, None], scaled, plain[None, :])
+
+
+def rope_cos_sin(
+    config: LlamaConfig, inv_freq: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None, dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, head_dim] in `dtype`, computed in float32 like transformers."""
+    if config.rope_type == "dynamic":
+        if seq_lens is None:  # one row: its length is the last position + 1
+            seq_lens = (positions.max() + 1).expand_as(positions)
+        freqs = positions[:, None].float() * dynamic_inv_freq(config, seq_lens)
+    else:
+        freqs = positions[:, None].float() * inv_freq[None, :].float()  # [N, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D]; cos/sin [N, D]. The rotate-half convention of HF checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+# ---------------------------------------------------------------------------------------
+# KV store interface
+# ---------------------------------------------------------------------------------------
+
+
+class KvStore(Protocol):
+    """Where attention's keys and values live, for one forward over a ragged batch.
+
+    Built by the caller for the batch (it knows which rows and how many new tokens each),
+    it must: write k/v of the N new tokens into their rows' slots (at positions row_length..),
+    then return, for every new token, attention of its query over its own row's keys up to
+    and including itself (and nothing of other rows)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] (RoPE applied) -> out [N, Hq, D]."""
+
+
+# ---------------------------------------------------------------------------------------
+# Modules (parameter names match transformers' so checkpoints load with load_state_dict)
+# ---------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()  # the variance in float32 even for bf16/fp16 models, like transformers
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, hq * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=config.o_bias)
+        self.hq, self.hkv, self.d = hq, hkv, d
+
+    def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KvStore) -> torch.Tensor:
+        n = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(n, self.hq, self.d), cos, sin)  # [N, Hq, D]
+        k = apply_rope(self.k_proj(x).view(n, self.hkv, self.d), cos, sin)  # [N, Hkv, D]
+        v = self.v_proj(x).view(n, self.hkv, self.d)  # [N, Hkv, D]
+        out = kv.attend(layer, q, k, v)  # [N, Hq, D]
+        return self.o_proj(out.reshape(n, self.hq * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        h, i, b = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, layer: int, x: torch.Tensor, cos, sin, kv: KvStore) -> torch.Tensor:
+        x = x + self.self_attn(layer, self.input_layernorm(x), cos, sin, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Weights + the ragged forward. State-dict keys are transformers' (`model.layers.0.self_attn.q_proj.weight`)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Body(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KvStore,
+        *,
+        logits_at: torch.Tensor | None = None,
+        num_layers: int | None = None,
+        seq_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens, positions [N] int64 -> logits [len(logits_at) or N, V] in the model dtype.
+
+        num_layers: run only the first N decoder layers, then the final norm and head (a
+        layer-skip draft sharing these weights). seq_lens [N]: each token's row length after
+        this forward; only dynamic-NTK RoPE reads it (None = one row)."""
+        layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
+        x = self.model.embed_tokens(tokens)  # [N, hidden]
+        cos, sin = rope_cos_sin(self.config, self.inv_freq, positions, seq_lens, x.dtype)
+        for index, layer in enumerate(layers):
+            x = layer(index, x, cos, sin, kv)
+        if logits_at is not None:  # the head is the largest matmul: only where logits are needed
+            x = x[logits_at]
+        return self.lm_head(self.model.norm(x))  # [M, V]
+
+
+# ---------------------------------------------------------------------------------------
+# Contiguous KV store (CPU; one growing K/V tensor pair per layer per request)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ContiguousKv:
+    """One request's cache: keys[l], values[l] [Hkv, capacity, D]; `length` slots are live."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device) -> ContiguousKv:
+        def make() -> torch.Tensor:
+            return torch.zeros(kv_heads, capacity, head_dim, dtype=dtype, device=device)
+
+        return cls([make() for _ in range(layers)], [make() for _ in range(layers)])
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+    def reserve(self, needed: int) -> None:
+        """Grow (doubling) so `needed` slots fit; amortized O(1) per appended token."""
+        if needed <= self.capacity:
+            return
+        capacity = max(needed, 2 * self.capacity, 16)
+        for tensors in (self.keys, self.values):
+            for i, old in enumerate(tensors):
+                grown = old.new_zeros(old.shape[0], capacity, old.shape[2])
+                grown[:, : self.length] = old[:, : self.length]
+                tensors[i] = grown
+
+
+@dataclass
+class ContiguousBatch:
+    """A `KvStore` for one ragged forward over contiguous caches: row r owns new tokens
+    [offsets[r], offsets[r+1]) of the flattened batch and appends them at caches[r].length.
+    Attention is a per-row SDPA with a causal (and optional sliding-window) mask; `commit()`
+    advances the lengths once every layer has written."""
+
+    caches: Sequence[ContiguousKv]
+    new_lengths: Sequence[int]
+    sliding_window: int | None = None
+    _masks: list[torch.Tensor | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.offsets = [0]
+        for n in self.new_lengths:
+            self.offsets.append(self.offsets[-1] + n)
+        for cache, n in zip(self.caches, self.new_lengths, strict=True):
+            cache.reserve(cache.length + n)
+        self._masks = [
+            self._mask(cache.length, n, cache.keys[0].device)
+            for cache, n in zip(self.caches, self.new_lengths, strict=True)
+        ]
+
+    def _mask(self, past: int, n: int, device) -> torch.Tensor | None:
+        """[n, past + n] bool (True = may attend), or None where SDPA's own masking is exact:
+        one new token sees its whole row; a fresh row is plain causal (`is_causal`, the same
+        kernel path transformers takes for a prompt, which keeps logits parity tight)."""
+        window = self.sliding_window
+        if window is not None and past + n > window:
+            query = past + torch.arange(n, device=device)[:, None]  # [n, 1] absolute positions
+            key = torch.arange(past + n, device=device)[None, :]  # [1, L]
+            return (key <= query) & (query - key < window)
+        if n == 1 or past == 0:
+            return None
+        query = past + torch.arange(n, device=device)[:, None]
+        return torch.arange(past + n, device=device)[None, :] <= query
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)  # [N, Hq, D]
+        for row, cache in enumerate(self.caches):
+            start, end = self.offsets[row], self.offsets[row + 1]
+            if start == end:
+                continue
+            live = cache.length + (end - start)
+            keys, values = cache.keys[layer], cache.values[layer]
+            keys[:, cache.length : live] = k[start:end].transpose(0, 1)  # [Hkv, n, D]
+            values[:, cache.length : live] = v[start:end].transpose(0, 1)
+            attended = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1),  # [Hq, n, D]
+                keys[:, :live],  # [Hkv, L, D]
+                values[:, :live],
+                attn_mask=self._masks[row],
+                is_causal=self._masks[row] is None and cache.length == 0 and end - start > 1,
+                enable_gqa=True,
+            )  # [Hq, n, D]
+            out[start:end] = attended.transpose(0, 1)
+        return out
+
+    def commit(self) -> None:
+        for cache, n in zip(self.caches, self.new_lengths, strict=True):
+            cache.length += n
+
+
+# ---------------------------------------------------------------------------------------
+# CausalLM (models/base.py) on top of the module and the contiguous store
+# ---------------------------------------------------------------------------------------
+
+
+class LlamaCausalLM:
+    """A target (all layers) or a layer-skip draft (first `num_layers`, shared weights)."""
+
+    def __init__(
+        self,
+        module: LlamaForCausalLM,
+        *,
+        source_digest: str,
+        num_layers: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        config = module.config
+        self.module = module.eval()
+        self.config = config
+        self.num_layers = config.num_layers if num_layers is None else num_layers
+        if not 1 <= self.num_layers <= config.num_layers:
+            raise ValueError(f"num_layers: expected 1..{config.num_layers}, got {self.num_layers}")
+        weight = module.lm_head.weight
+        self.dtype, self.device = weight.dtype, weight.device
+        self.vocab_size = config.vocab_size
+        self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        skip = f":layers={self.num_layers}" if self.num_layers < config.num_layers else ""
+        self.source_digest = source_digest
+        self.name = f"llama:{config.model_type}:{source_digest}:{dtype_name}{skip}"
+        self.kv_layout = tuple(
+            KvTensorSpec(self.dtype, (config.num_kv_heads, SEQ, config.head_dim)) for _ in range(2 * self.num_layers)
+        )
+        self.positions_computed = 0  # tokens run through the forward; KV import must not add to it
+
+    def _new_cache(self, capacity: int) -> ContiguousKv:
+        c = self.config
+        return ContiguousKv.empty(self.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+
+    def _run(self, states: Sequence[State], ids: Sequence[Sequence[int]], *, last_only: bool = False):
+        lengths = [len(row) for row in ids]
+        past = [s.kv.length for s in states]
+        tokens = torch.tensor([t for row in ids for t in row], dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(past, lengths, strict=True)]).to(self.device)
+        seq_lens = torch.cat(
+            [torch.full((n,), p + n, dtype=torch.int64) for p, n in zip(past, lengths, strict=True)]
+        ).to(self.device)
+        logits_at = None
+        if last_only:
+            ends = torch.tensor(lengths).cumsum(0) - 1
+            logits_at = ends.to(self.device)
+        batch = ContiguousBatch([s.kv for s in states], lengths, self.config.sliding_window)
+        with torch.inference_mode():
+            logits = self.module(
+                tokens, positions, batch, logits_at=logits_at, num_layers=self.num_layers, seq_lens=seq_lens
+            ).float()
+        batch.commit()
+        self.positions_computed += len(tokens)
+        for state, row in zip(states, ids, strict=True):
+            state.tokens += [int(t) for t in row]
+        return logits
+
+    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, State]:
+        if not ids:
+            raise ValueError("ids: expected a non-empty prompt, got []")
+        state = State(tokens=[], kv=self._new_cache(len(ids) + 16))
+        return self._run([state], [list(ids)], last_only=True)[0], state
+
+    def extend(self, state: State, ids: Sequence[int]) -> torch.Tensor:
+        if not ids:
+            return torch.empty(0, self.vocab_size)
+        return self._run([state], [list(ids)])
+
+    def extend_batch(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """All rows in ONE forward (flattened ragged tokens); split the logits back per row."""
+        if len(states) != len(ids):
+            raise ValueError(f"ids: expected {len(states)} rows (one per state), got {len(ids)}")
+        rows = [list(row) for row in ids]
+        if not any(rows):
+            return [torch.empty(0, self.vocab_size) for _ in rows]
+        logits = self._run(states, rows)
+        return list(logits.split([len(row) for row in rows]))
+
+    def truncate(self, state: State, length: int) -> None:
+        if not 0 <= length <= len(state.tokens):
+            raise ValueError(f"length: expected 0..{len(state.tokens)}, got {length}")
+        state.kv.length = length  # the slots past it are overwritten by the next extend
+        del state.tokens[length:]
+
+    def export_state(self, state: State) -> list[torch.Tensor]:
+        cache, n = state.kv, state.kv.length
+        return [t[:, :n].clone() for pair in zip(cache.keys, cache.values, strict=True) for t in pair]
+
+    def import_state(self, tensors: Sequence[torch.Tensor], tokens: Sequence[int]) -> State:
+        if len(tensors) != len(self.kv_layout):
+            raise ValueError(f"tensors: expected {len(self.kv_layout)} KV tensors, got {len(tensors)}")
+        seq = len(tokens)
+        for index, (tensor, spec) in enumerate(zip(tensors, self.kv_layout, strict=True)):
+            if tuple(tensor.shape) != spec.shape_for(seq) or tensor.dtype != spec.dtype:
+                raise ValueError(
+                    f"tensors[{index}]: expected {spec.dtype} {spec.shape_for(seq)}, "
+                    f"got {tensor.dtype} {tuple(tensor.shape)}"
+                )
+        cache = self._new_cache(seq + 16)
+        for layer in range(self.num_layers):
+            cache.keys[layer][:, :seq] = tensors[2 * layer].to(self.device)
+            cache.values[layer][:, :seq] = tensors[2 * layer + 1].to(self.device)
+        cache.length = seq
+        return State(tokens=list(tokens), kv=cache)
+
+
+def layer_skip_draft(target: LlamaCausalLM, draft_layers: int) -> LlamaCausalLM:
+    """A draft running the target's first `draft_layers` layers (then its norm and head):
+    the same weights (no copy), its own KV cache, the target's vocabulary (identity d2t)."""
+    total = target.config.num_layers
+    if isinstance(draft_layers, bool) or not isinstance(draft_layers, int) or not 1 <= draft_layers < total:
+        raise ValueError(
+            f"draft_layers: expected an int in 1..{total - 1} (the target has {total}), got {draft_layers!r}"
+        )
+    return LlamaCausalLM(
+        target.module, source_digest=target.source_digest, num_layers=draft_layers, eos_token_ids=target.eos_token_ids
+    )
+
+
+def build_model(
+    config: LlamaConfig, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype, device: str | torch.device
+) -> LlamaForCausalLM:
+    """A LlamaForCausalLM with exactly these weights (every parameter must be present)."""
+    with torch.device("meta"):
+        module = LlamaForCausalLM(config)
+    expected = {name for name, _ in module.named_parameters()}
+    if config.tie_word_embeddings:
+        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+    missing = sorted(expected - set(state_dict))
+    if missing:
+        raise ValueError(f"weights: expected tensors {missing[:4]}{'...' if len(missing) > 4 else ''}, got none")
+    unexpected = sorted(set(state_dict) - expected)
+    if unexpected:
+        raise ValueError(f"weights: unexpected tensors {unexpected[:4]} for {config.model_type}")
+    for name, param in module.named_parameters():
+        if tuple(state_dict[name].shape) != tuple(param.shape):
+            raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(state_dict[name].shape)}")
+    module.load_state_dict(
+        {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}, strict=False, assign=True
+    )
+    if config.tie_word_embeddings:
+        module.lm_head.weight = module.model.embed_tokens.weight
+    module.inv_freq = rope_inv_freq(config).to(device)
+    return module.eval()
+
+
+def digest_of(*parts: bytes | str) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.encode() if isinstance(part, str) else part)
+    return digest.hexdigest()[:12]
+
+
+__all__ = [
+    "ContiguousBatch",
+    "ContiguousKv",
+    "KvStore",
+    "LlamaCausalLM",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "build_model",
+    "layer_skip_draft",
+]

