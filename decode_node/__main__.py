@@ -21,7 +21,6 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
         choices=["auto", "torch", "cupy"],
         help="rejection sampler (auto: cupy on a GPU)",
     )
-    parser.add_flag("--device", default="cpu", help="torch device of the sampler")
     args = parser.parse_args(argv)
     engine = DecodeConfig(
         max_speculative_tokens=args.max_speculative_tokens,

@@ -112,8 +112,19 @@ class DecodeEngine:
         self._thread: threading.Thread | None = None
 
     # -- requests -------------------------------------------------------------------
+    def kv_tokens(self, decode_input: DecodeInput) -> int:
+        """KV positions a request may ever occupy: prompt + every token it may emit + the K
+        drafts of its last verify pass (reserved at admission, so it never waits mid-stream)."""
+        budget = decode_input.max_new_tokens or self.config.default_max_new_tokens
+        return len(decode_input.prompt_token_ids) + budget + self.config.max_speculative_tokens + 1
+
     def submit(self, decode_input: DecodeInput) -> Request:
         request = Request(decode_input)
+        needed = self.kv_tokens(decode_input)
+        for role, model in (("target", self.pair.target), ("draft", self.pair.draft)):
+            capacity = model.capacity_tokens()
+            if capacity is not None and needed > capacity:
+                raise QueueFull(f"the request needs {needed} KV positions, the {role} KV cache holds {capacity}")
         with self._lock:
             if len(self._pending) + len(self._active) >= self.config.max_batch + self.config.max_queue:
                 raise QueueFull(f"{self.config.max_batch} running and {self.config.max_queue} queued")
@@ -164,19 +175,30 @@ class DecodeEngine:
             self.step()
 
     def step(self) -> None:
-        """Admit waiting requests, then one speculative step for every active one."""
+        """Admit waiting requests (in arrival order, while slots and KV blocks last), then one
+        speculative step for every active one. Every request that leaves frees its KV."""
+        admitted = []
         with self._lock:
             room = self.config.max_batch - len(self._active)
-            admitted, self._pending = self._pending[:room], self._pending[room:]
-        admitted = [r for r in admitted if not r.cancelled.is_set()]  # a cancelled request never starts
+            while self._pending and len(admitted) < room and self._fits(self._pending[0]):
+                admitted.append(self._pending.pop(0))
+            if not admitted and not self._active:
+                self._lock.wait(0.01)  # nothing can start now (no slot or KV): do not spin
         for request in admitted:
-            self._admit(request)
+            try:
+                self._admit(request)
+            except Exception as err:
+                log.exception("admission failed")
+                request.events.put(Event([], finished=True, error=f"admission failed: {err}"))
+                request.cancelled.set()
         live = []
         for request in self._active + admitted:
             if request.cancelled.is_set():
+                self._retire(request)
                 continue
             if request.remaining <= 0:
                 self._finish(request, [], "length")
+                self._retire(request)
                 continue
             live.append(request)
         self._active = live
@@ -188,16 +210,37 @@ class DecodeEngine:
             log.exception("decode step failed")
             for request in live:
                 request.events.put(Event([], finished=True, error=f"decode step failed: {err}"))
-            self._active = []
-        self._active = [r for r in self._active if not r.cancelled.is_set()]
+                request.cancelled.set()
+        kept = []
+        for request in self._active:
+            (self._retire if request.cancelled.is_set() else kept.append)(request)
+        self._active = kept
+
+    def _fits(self, request: Request) -> bool:
+        if request.cancelled.is_set():
+            return True  # admitted only to be retired at once
+        needed = self.kv_tokens(request.input)
+        return self.pair.target.can_reserve(needed) and self.pair.draft.can_reserve(needed)
+
+    def _retire(self, request: Request) -> None:
+        """Free a leaving request's KV (finished, cancelled, expired or failed)."""
+        for model, state in ((self.pair.target, request.target_state), (self.pair.draft, request.draft_state)):
+            if state is not None:
+                model.release(state)
+        request.target_state = request.draft_state = None
 
     # -- internals --------------------------------------------------------------------
     def _admit(self, request: Request) -> None:
         data = request.input
         pair = self.pair
         request.history = [*data.prompt_token_ids, data.first_token_id]
+        if request.cancelled.is_set():
+            return  # never starts: no KV taken
+        needed = self.kv_tokens(data)
         request.target_state = pair.target.import_state(data.kv_cache, data.prompt_token_ids)
+        pair.target.reserve(request.target_state, needed)
         request.draft_state = pair.draft.prefill(data.prompt_token_ids)[1]
+        pair.draft.reserve(request.draft_state, needed)
         request.rng = RequestRng(data.params.seed, stream="decode")
         budget = data.max_new_tokens or self.config.default_max_new_tokens
         request.remaining = budget - 1  # the prefill node emitted the first token
@@ -252,7 +295,8 @@ class DecodeEngine:
         the node is configured with; K draft uniforms per request and step."""
         draft = self.pair.draft
         k_max = max(r.input.num_speculative_tokens for r in requests)
-        params = SamplingTensors.from_params([r.input.params for r in requests])
+        device = self.config.device
+        params = SamplingTensors.from_params([r.input.params for r in requests], device)
         uniforms = torch.stack(
             [  # [R, K_max]: each request's K uniforms, zero padded
                 torch.nn.functional.pad(
@@ -260,14 +304,14 @@ class DecodeEngine:
                 )
                 for r in requests
             ]
-        )
+        ).to(device)
         feeds = [r.history[len(r.draft_state.tokens) :] for r in requests]  # catch up, ends with `last`
         ids: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         for step in range(k_max):
             rows = [i for i, r in enumerate(requests) if step < r.input.num_speculative_tokens]
             logits = draft.extend_batch([requests[i].draft_state for i in rows], [feeds[i] for i in rows])
-            last = torch.stack([row[-1] for row in logits])  # [R, Vd]
+            last = torch.stack([row[-1] for row in logits]).to(device)  # [R, Vd]
             sample = propose(self.config.draft_law, last, params.select(rows), uniforms[rows, step])
             for j, i in enumerate(rows):
                 token = int(sample.token_ids[j])

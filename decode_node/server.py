@@ -9,20 +9,21 @@ in-flight requests within the grace period.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import queue
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
 import pdspec
 from decode_node.engine import DecodeConfig, DecodeEngine, Event, QueueFull
-from models.loader import load_pair
+from engine.paged_lm import paged_pair
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
+from pdspec.modelspec import ModelSpec, backends, model_dtype
 from pdspec.serving import NodeShell
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.contract import max_message_bytes
@@ -65,9 +66,7 @@ class DecodeNodeConfig:
     port: int = 50052
     metrics_port: int | None = 9402  # None: no /metrics endpoint
     engine: DecodeConfig = field(default_factory=DecodeConfig)
-    corpus: Path | None = None  # built-in pair's training corpus (None = Python's stdlib)
-    target_model: Path | None = None  # HF checkpoints (both or neither); default: the built-in pair
-    draft_model: Path | None = None
+    models: ModelSpec = field(default_factory=ModelSpec)
     max_message_bytes: int | None = None  # None: derived from the contract
     limits: RequestLimits = field(default_factory=RequestLimits)  # max_prompt_tokens sizes the message limit
     grace_s: float = 5.0
@@ -193,6 +192,8 @@ def node_info(pair: ModelPair, config: DecodeNodeConfig, engine: DecodeEngine) -
         draft_model=contract.draft_model,
         draft_law=engine_config.draft_law.value,
         version=pdspec.__version__,
+        dtype=model_dtype(pair),
+        backends=json.dumps(backends(pair, getattr(engine.verifier.sampler, "backend", "custom"))),
         max_new_tokens_limit=config.limits.max_new_tokens,
         max_prompt_tokens=config.limits.max_prompt_tokens,
     )
@@ -205,7 +206,7 @@ def run_server(
     engine_factory: Callable[..., DecodeEngine] = DecodeEngine,
 ) -> Iterator[RunningDecodeNode]:
     """Load the models, start serving; NOT_SERVING is reported until both are done."""
-    pair = (pair_loader or (lambda: load_pair(config.corpus, config.target_model, config.draft_model)))()
+    pair = paged_pair((pair_loader or config.models.load)(), config.models.kv_budget())
     contract = pair.contract()
     limit = config.max_message_bytes or max_message_bytes(
         contract, config.engine.max_speculative_tokens, config.limits.max_prompt_tokens

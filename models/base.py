@@ -58,3 +58,33 @@ class CausalLM(Protocol):
 
     def import_state(self, tensors: Sequence[torch.Tensor], tokens: Sequence[int]) -> State:
         """Rebuild a State from export_state's tensors and the consumed tokens."""
+
+    # KV memory. A model on a bounded pool (engine/paged_lm.py) reserves a request's KV at
+    # admission and frees it when the request leaves; others grow on demand (`GrowingKv`).
+    def capacity_tokens(self) -> int | None:
+        """Most tokens the model's KV can ever hold for one request (None = unbounded)."""
+
+    def can_reserve(self, tokens: int) -> bool:
+        """Whether a reservation of `tokens` would succeed now."""
+
+    def reserve(self, state: State, tokens: int) -> None:
+        """Make room for `tokens` positions in `state` (raises when the pool lacks it)."""
+
+    def release(self, state: State) -> None:
+        """Give the state's KV memory back (the state is not used afterwards)."""
+
+
+class GrowingKv:
+    """The reservation methods of a model whose state grows on demand (no pool to run out of)."""
+
+    def capacity_tokens(self) -> int | None:
+        return None
+
+    def can_reserve(self, tokens: int) -> bool:
+        return True
+
+    def reserve(self, state: State, tokens: int) -> None:
+        pass
+
+    def release(self, state: State) -> None:
+        pass

@@ -26,14 +26,14 @@ from pathlib import Path
 
 import torch
 
-from models.base import State
+from models.base import GrowingKv, State
 from models.pair import ModelPair
 from models.tokenizer import TextTokenizer
 from protos.contract import SEQ, KvTensorSpec
 from sampling import DraftToTargetMap
 
 
-class HFCausalLM:
+class HFCausalLM(GrowingKv):
     def __init__(
         self,
         path: Path | str,

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.base import State
+from models.base import GrowingKv, State
 from protos.contract import SEQ, KvTensorSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -426,7 +426,7 @@ class ContiguousBatch:
 # ---------------------------------------------------------------------------------------
 
 
-class LlamaCausalLM:
+class LlamaCausalLM(GrowingKv):
     """A target (all layers) or a layer-skip draft (first `num_layers`, shared weights)."""
 
     def __init__(

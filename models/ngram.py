@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.base import State
+from models.base import GrowingKv, State
 from models.pair import ModelPair
 from models.tokenizer import ByteTokenizer
 from protos.contract import KvTensorSpec
@@ -75,7 +75,7 @@ def train_tables(tokens: np.ndarray, order: int, vocab: int, output_of: np.ndarr
     return NgramTables(order, vocab, **{k: tuple(v) for k, v in tables.items()})
 
 
-class NgramModel:
+class NgramModel(GrowingKv):
     """Witten-Bell interpolated n-gram over byte histories."""
 
     kv_layout: tuple[KvTensorSpec, ...] = ()

@@ -41,8 +41,26 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
     parser.add_flag("--port", default=port, type=int, help="gRPC port (0 = any free port)")
     parser.add_flag("--metrics-port", default=metrics_port, type=int, help="Prometheus /metrics port (-1 = off)")
     parser.add_flag("--corpus", default=None, type=Path, help="built-in pair's corpus (default: Python's stdlib)")
-    parser.add_flag("--target-model", default=None, type=Path, help="HF checkpoint directory of the target")
-    parser.add_flag("--draft-model", default=None, type=Path, help="HF checkpoint directory of the draft")
+    parser.add_flag(
+        "--target-model",
+        default=None,
+        help="smollm2-135m-instruct, a .gguf file or an HF checkpoint directory (default: the built-in pair)",
+    )
+    parser.add_flag("--draft-model", default=None, help="the draft: same forms as --target-model")
+    parser.add_flag(
+        "--draft-layers", default=None, type=int, help="draft = the target's first N layers (not with --draft-model)"
+    )
+    parser.add_flag("--device", default="cpu", help="cpu, cuda or cuda:N (ROCm: torch's HIP build, cuda names)")
+    parser.add_flag(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="model dtype (cpu float32, cuda bf16)"
+    )
+    parser.add_flag("--kv-cache-bytes", default=None, type=int, help="KV pool size (default: by device)")
+    parser.add_flag(
+        "--gpu-memory-utilization",
+        default=0.9,
+        type=float,
+        help="on a GPU without --kv-cache-bytes: fraction of its memory for weights + KV pool",
+    )
     parser.add_flag(
         "--draft-sampling",
         default="point-mass",
@@ -66,13 +84,22 @@ def request_limits(args: argparse.Namespace):
 
 def node_options(args: argparse.Namespace) -> dict:
     """The node-config fields that come from the shared flags."""
+    from pdspec.modelspec import ModelSpec
+
     return {
         "host": args.host,
         "port": args.port,
         "metrics_port": None if args.metrics_port < 0 else args.metrics_port,
-        "corpus": args.corpus,
-        "target_model": args.target_model,
-        "draft_model": args.draft_model,
+        "models": ModelSpec(
+            corpus=args.corpus,
+            target_model=args.target_model,
+            draft_model=args.draft_model,
+            draft_layers=args.draft_layers,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_bytes=args.kv_cache_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        ),
         "max_message_bytes": args.max_message_bytes,
         "grace_s": args.grace_seconds,
     }

@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         default_max_new_tokens=args.default_max_new_tokens,
         limits=request_limits(args),
+        device=args.device,
     )
     return PrefillNodeConfig(
         decode_addr=args.decode_addr, engine=engine, max_streams=args.max_streams, **node_options(args)

@@ -42,6 +42,7 @@ class PrefillConfig:
     num_speculative_tokens: int = 4  # K of a request that does not say (clamped to the maximum)
     default_max_new_tokens: int = 64
     limits: RequestLimits = field(default_factory=RequestLimits)
+    device: str = "cpu"  # where sampling runs: the models' device
 
     def __post_init__(self) -> None:
         if self.proposal_encoding is ProposalEncoding.POINT_MASS and self.draft_law is not DraftLaw.POINT_MASS:
@@ -119,20 +120,28 @@ class PrefillEngine:
         pair = self.pair
         ids, k, sampling = checked.ids, checked.k, checked.sampling
         rng = RequestRng(checked.params.seed, stream="prefill")
-        rows = SamplingTensors.from_params([checked.params])
+        device = self.config.device
+        rows = SamplingTensors.from_params([checked.params], device)
         with self._lock:
             logits, target_state = pair.target.prefill(ids)
-            first = int(sample_target(logits.view(1, 1, -1), rows, rng.uniforms(1).view(1, 1)).token_ids[0, 0])
-            first_logprob = (
-                token_logprobs(logits.view(1, -1), torch.tensor([first]), sampling.logprobs)[0]
-                if sampling.logprobs
-                else None
-            )
-            reason = finish_reason(first, pair.target.eos_token_ids, sampling.stop_token_ids, 1, checked.max_new_tokens)
-            if reason:
-                return Prefilled(first, first_logprob, reason, None, None)
-            draft_ids, draft_probs = self._propose(ids, first, k, rows, rng)
-            kv = pair.target.export_state(target_state)
+            logits = logits.to(device)
+            try:
+                uniform = rng.uniforms(1).to(device).view(1, 1)
+                first = int(sample_target(logits.view(1, 1, -1), rows, uniform).token_ids[0, 0])
+                first_logprob = (
+                    token_logprobs(logits.view(1, -1), torch.tensor([first]), sampling.logprobs)[0]
+                    if sampling.logprobs
+                    else None
+                )
+                reason = finish_reason(
+                    first, pair.target.eos_token_ids, sampling.stop_token_ids, 1, checked.max_new_tokens
+                )
+                if reason:
+                    return Prefilled(first, first_logprob, reason, None, None)
+                draft_ids, draft_probs = self._propose(ids, first, k, rows, rng)
+                kv = pair.target.export_state(target_state)
+            finally:
+                pair.target.release(target_state)  # the KV lives on in `kv` (and then on the wire)
         decode = pdspec_pb2.DecodeRequest(
             request_id=checked.request_id,
             protocol_version=self.contract.protocol_version,
@@ -155,18 +164,22 @@ class PrefillEngine:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K draft-space tokens and, for a stochastic law, their distributions [K, Vd]."""
         draft = self.pair.draft
-        uniforms = rng.uniforms(k)  # drawn for either law, so the stream does not depend on it
+        uniforms = rng.uniforms(k).to(self.config.device)  # drawn for either law: the stream never depends on it
         tokens, probs = [], []
         if k:
             _, state = draft.prefill(ids)
-            feed = [first]
-            for i in range(k):
-                logits = draft.extend(state, feed)[-1:]  # [1, Vd]
-                sample = propose(self.config.draft_law, logits, rows, uniforms[i : i + 1])
-                token = int(sample.token_ids[0])
-                tokens.append(token)
-                if sample.probs is not None:
-                    probs.append(sample.probs[0])
-                feed = [int(self.pair.d2t.d2t[token])]
+            try:
+                draft.reserve(state, len(ids) + k)
+                feed = [first]
+                for i in range(k):
+                    logits = draft.extend(state, feed)[-1:].to(self.config.device)  # [1, Vd]
+                    sample = propose(self.config.draft_law, logits, rows, uniforms[i : i + 1])
+                    token = int(sample.token_ids[0])
+                    tokens.append(token)
+                    if sample.probs is not None:
+                        probs.append(sample.probs[0])
+                    feed = [int(self.pair.d2t.d2t[token])]
+            finally:
+                draft.release(state)
         draft_ids = torch.tensor(tokens, dtype=torch.int64)
         return draft_ids, (torch.stack(probs) if probs else None)

@@ -16,14 +16,14 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
 import pdspec
-from models.loader import load_pair
+from engine.paged_lm import paged_pair
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
+from pdspec.modelspec import ModelSpec, backends, model_dtype
 from pdspec.serving import NodeShell
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from prefill_node.service import GenerationService, RequestFailed
@@ -60,9 +60,7 @@ class PrefillNodeConfig:
     port: int = 50051
     metrics_port: int | None = 9401
     engine: PrefillConfig = field(default_factory=PrefillConfig)
-    corpus: Path | None = None
-    target_model: Path | None = None  # HF checkpoints (both or neither); default: the built-in pair
-    draft_model: Path | None = None
+    models: ModelSpec = field(default_factory=ModelSpec)
     max_message_bytes: int | None = None
     peer_check_s: float = 1.0  # while the peer is not compatible; 10x that while it is
     grace_s: float = 5.0
@@ -214,7 +212,7 @@ def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.No
         draft_to_target=list(contract.d2t),
         max_speculative_tokens=config.engine.max_speculative_tokens,
         sampler_backend="",
-        device="cpu",
+        device=config.engine.device,
         target_model=contract.target_model,
         draft_model=contract.draft_model,
         draft_law=config.engine.draft_law.value,
@@ -222,6 +220,8 @@ def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.No
         version=pdspec.__version__,
         max_new_tokens_limit=limits.max_new_tokens,
         max_prompt_tokens=limits.max_prompt_tokens,
+        dtype=model_dtype(engine.pair),
+        backends=json.dumps(backends(engine.pair)),
     )
 
 
@@ -229,7 +229,7 @@ def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.No
 def run_server(
     config: PrefillNodeConfig, pair_loader: Callable[[], ModelPair] | None = None
 ) -> Iterator[RunningPrefillNode]:
-    pair = (pair_loader or (lambda: load_pair(config.corpus, config.target_model, config.draft_model)))()
+    pair = paged_pair((pair_loader or config.models.load)(), config.models.kv_budget())
     engine = PrefillEngine(pair, config.engine)
     limit = config.max_message_bytes or max_message_bytes(
         engine.contract, config.engine.max_speculative_tokens, config.engine.limits.max_prompt_tokens

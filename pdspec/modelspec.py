@@ -1,0 +1,99 @@
+"""What a node loads, from its flags: the pair, its device and dtype, and the KV pool size.
+
+Both nodes load through `ModelSpec.load()`: the pair (models/loader.py) placed on one
+device; `run_server` then puts its Llama models on paged KV pools (engine/paged_lm.py) sized by
+`--kv-cache-bytes`, or on a GPU by `--gpu-memory-utilization` of its memory less what is
+already in use (the weights), or on the CPU CPU_KV_BYTES.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.pair import ModelPair
+
+log = logging.getLogger(__name__)
+CPU_KV_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    corpus: Path | None = None
+    target_model: str | Path | None = None  # None: the built-in n-gram pair
+    draft_model: str | Path | None = None
+    draft_layers: int | None = None
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on the CPU, bfloat16 on a GPU
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: expected a value in (0, 1], got {self.gpu_memory_utilization}")
+        torch.device(self.device)  # raises on a malformed device string
+
+    def load(self) -> ModelPair:
+        """The pair as loaded (the node's run_server puts it on its KV pools)."""
+        from models.loader import load_pair
+
+        what = self.target_model or "the built-in n-gram pair"
+        log.info("loading %s (draft: %s) on %s", what, self.draft_model or self.draft_layers or "built-in", self.device)
+        pair = load_pair(
+            self.corpus,
+            self.target_model,
+            self.draft_model,
+            draft_layers=self.draft_layers,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        return pair
+
+    def kv_budget(self) -> int:
+        if self.kv_cache_bytes is not None:
+            return self.kv_cache_bytes
+        device = torch.device(self.device)
+        if device.type != "cuda":
+            return CPU_KV_BYTES
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(self.gpu_memory_utilization * total) - (total - free)
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization: {self.gpu_memory_utilization} of {total >> 20} MiB leaves no KV cache "
+                f"({(total - free) >> 20} MiB already in use)"
+            )
+        return budget
+
+
+def backends(pair: ModelPair, sampler: str = "") -> dict[str, str]:
+    """The backend of each part, as GetInfo and the node-info metric report it."""
+    from engine.paged_lm import PagedLlamaLM
+
+    def kind(model) -> str:
+        return {
+            "PagedLlamaLM": "pdspec-llama",
+            "LlamaCausalLM": "pdspec-llama",
+            "HFCausalLM": "transformers",
+            "NgramModel": "builtin-ngram",
+        }.get(type(model).__name__, type(model).__name__)
+
+    paged = isinstance(pair.target, PagedLlamaLM)
+    out = {
+        "target": kind(pair.target),
+        "draft": kind(pair.draft),
+        "kv_cache": f"paged ({pair.target.pool.num_blocks} blocks of {pair.target.pool.block_size})"
+        if paged
+        else "none",
+        "attention": "torch-sdpa over block-table gathers" if paged else "",
+    }
+    if sampler:
+        out["sampler"] = sampler
+    return out
+
+
+def model_dtype(pair: ModelPair) -> str:
+    dtype = getattr(pair.target, "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else ""

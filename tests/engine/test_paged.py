@@ -1,0 +1,104 @@
+"""The paged KV cache against the contiguous store (the oracle): same logits on ragged
+batches, truncation and import; blocks reserved at admission and all returned after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+
+from engine.kv_cache import KvCacheFull, KvPool, PagedSeq
+from engine.paged_lm import PagedLlamaLM, bytes_per_token, paged_pair
+from models.checkpoint import load_hf_llama
+from models.llama import layer_skip_draft
+from models.loader import load_pair
+from tests.models.hf_fixtures import make_family_checkpoint, make_tokenizer
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def models(request, tmp_path_factory):
+    overrides = {"sliding_window": 12} if request.param == "mistral" else {}
+    path = make_family_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=5, **overrides)
+    contiguous = load_hf_llama(path, dtype=torch.float32)
+    paged = PagedLlamaLM.with_pool(load_hf_llama(path, dtype=torch.float32), 256 * bytes_per_token(contiguous))
+    return contiguous, paged
+
+
+def ids(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_ragged_batches_truncation_and_import_equal_the_contiguous_store(models):
+    contiguous, paged = models
+    vocab = contiguous.vocab_size
+    prompts = [ids(n, seed, vocab) for seed, n in enumerate((5, 17, 1))]  # crosses 16-token blocks
+    states = []
+    for prompt in prompts:
+        (lc, sc), (lp, sp) = contiguous.prefill(prompt), paged.prefill(prompt)
+        torch.testing.assert_close(lp, lc, rtol=1e-5, atol=1e-5)
+        paged.reserve(sp, len(prompt) + 16)
+        states.append((sc, sp))
+    feeds = [ids(n, 10 + i, vocab) for i, n in enumerate((3, 1, 6))]
+    out_c = contiguous.extend_batch([s for s, _ in states], feeds)
+    out_p = paged.extend_batch([s for _, s in states], feeds)
+    for a, b in zip(out_p, out_c, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for (sc, sp), keep in zip(states, (6, 17, 4), strict=True):  # reject some positions
+        contiguous.truncate(sc, keep)
+        paged.truncate(sp, keep)
+    more = [ids(2, 20 + i, vocab) for i in range(3)]
+    for a, b in zip(
+        paged.extend_batch([s for _, s in states], more),
+        contiguous.extend_batch([s for s, _ in states], more),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # Export from the pool, import into fresh blocks: the next logits are the same, nothing recomputed.
+    sc, sp = states[1]
+    exported = paged.export_state(sp)
+    for got, want in zip(exported, contiguous.export_state(sc), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    before = paged.positions_computed
+    imported = paged.import_state(exported, sp.tokens)
+    assert paged.positions_computed == before
+    paged.reserve(imported, len(sp.tokens) + 1)
+    torch.testing.assert_close(paged.extend(imported, [3]), contiguous.extend(sc, [3]), rtol=1e-5, atol=1e-5)
+    for _, state in states:
+        paged.release(state)
+    paged.release(imported)
+    assert paged.pool.used_blocks == 0
+
+
+def test_pool_reservations_are_all_or_nothing_and_freed():
+    pool = KvPool(layers=2, kv_heads=1, head_dim=4, num_blocks=4, block_size=16, dtype=torch.float32, device="cpu")
+    a, b = PagedSeq(), PagedSeq()
+    pool.reserve(a, 33)  # 3 blocks
+    assert pool.free_blocks == 1
+    with pytest.raises(KvCacheFull, match="need 2 more blocks, 1 free"):
+        pool.reserve(b, 17)
+    assert b.blocks == [] and pool.free_blocks == 1  # nothing taken
+    pool.reserve(b, 16)
+    assert pool.free_blocks == 0
+    pool.release(a)
+    pool.release(b)
+    assert pool.free_blocks == 4 and a.blocks == [] and a.length == 0
+    with pytest.raises(ValueError, match="num_blocks/block_size"):
+        KvPool(layers=1, kv_heads=1, head_dim=4, num_blocks=0, block_size=16, dtype=torch.float32, device="cpu")
+
+
+def test_paged_pair_splits_the_bytes_so_both_pools_hold_the_same_tokens(tmp_path):
+    path = make_family_checkpoint(tmp_path, "llama", seed=1)
+    make_tokenizer(path, [f"w{i}" for i in range(90)])
+    pair = load_pair(target_model=path, draft_layers=1)
+    budget = 100 * (bytes_per_token(pair.target) + bytes_per_token(pair.draft))
+    paged = paged_pair(pair, budget)
+    assert paged.target.capacity_tokens() == paged.draft.capacity_tokens() == 96  # 100 tokens, 16-token blocks
+    assert paged.draft.module is paged.target.module  # the layer-skip draft still shares the weights
+    assert paged.target.name == pair.target.name and paged.target.kv_layout == pair.target.kv_layout
+    target = load_hf_llama(path, dtype=torch.float32)
+    draft = layer_skip_draft(target, 1)
+    logits, _ = paged.draft.prefill([3, 4, 5])
+    torch.testing.assert_close(logits, draft.prefill([3, 4, 5])[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        PagedLlamaLM.with_pool(target, 10)
