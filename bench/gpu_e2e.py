@@ -1,0 +1,536 @@
+"""GPU end-to-end benchmark: the engine and both nodes over loopback gRPC on one GPU.
+
+    python bench/gpu_e2e.py [--smoke] [--smollm2 PATH] [--only SECTION,...]
+
+Random-weight bf16 checkpoints of real shapes (timing does not depend on the weights):
+Llama-3-8B (32 layers, 4096 hidden, 32/8 heads, FFN 14336, vocab 128256) and TinyLlama-1.1B;
+SmolLM2-135M-Instruct (the shipped GGUF) with a layer-skip draft for real acceptance.
+Sections (each row says what it measures):
+* floor: device copy bandwidth (read + write bytes / time) and the weight-bytes floor of a
+  decode step (weights / read bandwidth);
+* step: one K = 0 decode step of the paged engine (forward + sampling) at batch 1..64, eager,
+  against the floor; the model forward alone; transformers' `generate` at batch 1;
+* verify: one verify pass over K+1 = 5 positions vs one single-position step, batch 1 and 32;
+* nodes: K = 0 greedy tokens/s through both nodes (prefill + decode over gRPC) at batch 1..64;
+* spec: SmolLM2 + layer-skip draft through both nodes, K = 4 vs K = 0, T in {0, 1}, both
+  draft laws, batch 1 and 16, with the measured accept length;
+* handoff: TTFT and KV handoff of 1k- and 4k-token prompts on the 8B shape (prefill, KV
+  bytes, encode + serialize, parse + validate, decode import).
+--smoke runs every section with tiny shapes (CPU or GPU) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import environment, markdown_table, write_results
+from engine.paged_lm import PagedLlamaLM, bytes_per_token
+from models.llama import LlamaCausalLM, LlamaConfig, LlamaForCausalLM, layer_skip_draft
+from models.pair import ModelPair
+from models.tokenizer import ByteTokenizer
+from sampling import DraftToTargetMap
+
+SHAPES = {
+    "llama3-8b": dict(hidden=4096, layers=32, heads=32, kv=8, ffn=14336, vocab=128256, theta=500000.0),
+    "tinyllama-1.1b": dict(hidden=2048, layers=22, heads=32, kv=4, ffn=5632, vocab=32000, theta=10000.0),
+    "smoke": dict(hidden=64, layers=2, heads=4, kv=2, ffn=128, vocab=300, theta=10000.0),
+}
+
+
+def config_of(shape: dict) -> LlamaConfig:
+    return LlamaConfig.from_hf(
+        {
+            "model_type": "llama",
+            "vocab_size": shape["vocab"],
+            "hidden_size": shape["hidden"],
+            "num_hidden_layers": shape["layers"],
+            "num_attention_heads": shape["heads"],
+            "num_key_value_heads": shape["kv"],
+            "intermediate_size": shape["ffn"],
+            "rms_norm_eps": 1e-5,
+            "rope_theta": shape["theta"],
+            "max_position_embeddings": 8192,
+            "tie_word_embeddings": False,
+            "eos_token_id": shape["vocab"] - 1,
+        }
+    )
+
+
+def random_model(shape: str, device: str, dtype: torch.dtype) -> LlamaCausalLM:
+    """Random weights straight on the device (std 0.02: finite logits, a real softmax)."""
+    config = config_of(SHAPES[shape])
+    with torch.device(device):
+        module = LlamaForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+    return LlamaCausalLM(module.eval(), source_digest=f"random-{shape}")
+
+
+def weight_bytes(model: LlamaCausalLM) -> int:
+    return sum(p.numel() * p.element_size() for p in model.module.parameters())
+
+
+def sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, repeat: int) -> float:
+    """Median seconds of fn() (synchronized)."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device copy, read + write counted."""
+    n = (1 << 30) if torch.device(device).type == "cuda" else (64 << 20)
+    src = torch.randn(n // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device, 10)
+    return 2 * n / seconds
+
+
+def paged(model: LlamaCausalLM, tokens: int) -> PagedLlamaLM:
+    return PagedLlamaLM.with_pool(model, tokens * bytes_per_token(model))
+
+
+def step_rows(lm: PagedLlamaLM, batch: int, context: int, new: int, device: str, repeat: int) -> float:
+    """Median seconds of one extend over `batch` rows of `context` tokens, `new` tokens each."""
+    states = []
+    for row in range(batch):
+        ids = torch.randint(0, lm.vocab_size - 1, (context,), generator=torch.Generator().manual_seed(row)).tolist()
+        _, state = lm.prefill(ids)
+        lm.reserve(state, context + new)
+        states.append(state)
+    feed = [[1] * new for _ in range(batch)]
+
+    def one() -> None:
+        lm.extend_batch(states, feed)
+        for state in states:
+            lm.truncate(state, context)
+
+    seconds = timed(one, device, repeat)
+    for state in states:
+        lm.release(state)
+    return seconds
+
+
+def transformers_generate(shape: str, device: str, dtype: torch.dtype, steps: int) -> float | None:
+    """Seconds per token of transformers' greedy `generate` at batch 1 (same shape, random)."""
+    try:
+        from transformers import LlamaConfig as HFConfig
+        from transformers import LlamaForCausalLM as HFModel
+    except ImportError:
+        return None
+    s = SHAPES[shape]
+    config = HFConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv"],
+        intermediate_size=s["ffn"],
+        rope_theta=s["theta"],
+        max_position_embeddings=8192,
+    )
+    with torch.device(device):
+        model = HFModel(config).to(dtype).eval()
+    ids = torch.randint(0, s["vocab"], (1, 128), device=device)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        sync(device)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+        sync(device)
+    seconds = (time.perf_counter() - start) / steps
+    del model
+    return seconds
+
+
+def engine_sections(args, env, rows, tables) -> None:
+    device, dtype = args.device, args.dtype
+    bandwidth = copy_bandwidth(device)
+    env["copy_bandwidth_GBps"] = f"{bandwidth / 1e9:.0f}"
+    # A copy moves each byte twice (read + write) at the card's rate: that rate is the read ceiling.
+    read_bw = bandwidth
+    shapes = ["smoke"] if args.smoke else ["llama3-8b", "tinyllama-1.1b"]
+    table = []
+    for shape in shapes:
+        model = random_model(shape, device, dtype)
+        lm = paged(model, 64 * (args.context + 16))
+        floor = weight_bytes(model) / read_bw
+        hf = transformers_generate(shape, device, dtype, 32 if not args.smoke else 4) if "hf" in args.only else None
+        base = None
+        for batch in args.batches:
+            step = step_rows(lm, batch, args.context, 1, device, args.repeat)
+            base = base or step
+            row = {
+                "section": "step",
+                "shape": shape,
+                "batch": batch,
+                "step_ms": step * 1e3,
+                "floor_ms": floor * 1e3,
+                "fraction_of_floor": floor / step,
+                "step_vs_batch1": step / base,
+                "tokens_per_s": batch / step,
+            }
+            if batch == 1 and hf:
+                row["transformers_generate_ms"] = hf * 1e3
+                row["speedup_vs_transformers"] = hf / step
+            rows.append(row)
+            table.append(
+                [
+                    shape,
+                    batch,
+                    f"{step * 1e3:.2f}",
+                    f"{floor * 1e3:.2f}",
+                    f"{floor / step:.0%}",
+                    f"{step / base:.2f}x",
+                    f"{batch / step:.0f}",
+                    f"{hf * 1e3:.1f} ({hf / step:.1f}x)" if batch == 1 and hf else "",
+                ]
+            )
+            print(table[-1], flush=True)
+        for batch in (1, 32) if not args.smoke else (1, 2):
+            one = step_rows(lm, batch, args.context, 1, device, args.repeat)
+            five = step_rows(lm, batch, args.context, 5, device, args.repeat)
+            rows.append(
+                {"section": "verify", "shape": shape, "batch": batch, "one_ms": one * 1e3, "five_ms": five * 1e3}
+            )
+            table.append(
+                [shape, f"verify b={batch}", f"{five * 1e3:.2f}", "", "", f"{five / one:.2f}x vs 1 pos", "", ""]
+            )
+            print(table[-1], flush=True)
+        del lm, model
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    header = ["shape", "batch", "step ms", "floor ms", "of floor", "vs batch 1", "tokens/s", "transformers ms/token"]
+    tables.append("### Engine step (K = 0, eager)\n\n" + markdown_table(header, table))
+
+
+def serve(pair: ModelPair, device: str, kv_bytes: int, max_batch: int = 64, k_max: int = 8):
+    """Both nodes in this process on one device (loopback gRPC); returns (client, stop)."""
+    import contextlib
+
+    from decode_node.engine import DecodeConfig
+    from decode_node.server import DecodeNodeConfig
+    from decode_node.server import run_server as run_decode
+    from pdspec.client import Client
+    from pdspec.modelspec import ModelSpec
+    from prefill_node.engine import PrefillConfig
+    from prefill_node.server import PrefillNodeConfig
+    from prefill_node.server import run_server as run_prefill
+    from protos.validation import RequestLimits
+
+    stack = contextlib.ExitStack()
+    spec = ModelSpec(device=device, kv_cache_bytes=kv_bytes)
+    limits = RequestLimits(max_prompt_tokens=8192)
+    decode = stack.enter_context(
+        run_decode(
+            DecodeNodeConfig(
+                host="127.0.0.1",
+                port=0,
+                metrics_port=None,
+                models=spec,
+                limits=limits,
+                engine=DecodeConfig(device=device, max_batch=max_batch, max_queue=256, max_speculative_tokens=k_max),
+            ),
+            lambda: pair,
+        )
+    )
+    prefill = stack.enter_context(
+        run_prefill(
+            PrefillNodeConfig(
+                decode_addr=f"127.0.0.1:{decode.port}",
+                host="127.0.0.1",
+                port=0,
+                metrics_port=None,
+                models=spec,
+                engine=PrefillConfig(device=device, limits=limits, max_speculative_tokens=k_max),
+                peer_check_s=0.1,
+                max_streams=512,
+            ),
+            lambda: pair,
+        )
+    )
+    while not prefill.peer.compatible:
+        time.sleep(0.05)
+    client = stack.enter_context(Client(f"127.0.0.1:{prefill.port}", max_message_bytes=1 << 30))
+    return client, stack, prefill, decode
+
+
+def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy: bool, temperature: float = 1.0):
+    """`batch` concurrent streams; returns (tokens/s over the whole run, accept length, ttfts)."""
+    results = [None] * batch
+
+    def one(i: int) -> None:
+        started = time.perf_counter()
+        ttft, out = None, []
+        stats = None
+        for response in client.stream(
+            prompt_token_ids=prompt_ids,
+            max_new_tokens=tokens,
+            greedy=greedy,
+            temperature=temperature,
+            seed=i,
+            num_speculative_tokens=k,
+            timeout=600,
+        ):
+            if ttft is None:
+                ttft = time.perf_counter() - started
+            out += response.token_ids
+            if response.finished:
+                stats = response.stats
+        results[i] = (len(out), ttft, stats)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    generated = sum(r[0] for r in results)
+    steps = sum(r[2].verify_steps for r in results)
+    accepted = sum(r[2].accepted_tokens for r in results)
+    return generated / elapsed, ((accepted + steps) / steps if steps else None), [r[1] for r in results]
+
+
+def node_sections(args, env, rows, tables) -> None:
+    device, dtype = args.device, args.dtype
+    shape = "smoke" if args.smoke else "llama3-8b"
+    target = random_model(shape, device, dtype)
+    pair = ModelPair(target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer())
+    kv_bytes = (64 * (args.context + args.tokens + 32) + 2 * 4200) * (
+        bytes_per_token(target) + bytes_per_token(pair.draft)
+    )
+    client, stack, prefill, decode = serve(pair, device, kv_bytes)
+    table = []
+    with stack:
+        prompt = list(range(1, args.context + 1))
+        base = None
+        for batch in args.batches:
+            tps, _, ttfts = load(client, batch, args.tokens, 0, prompt, greedy=True)
+            base = base or tps / batch
+            rows.append({"section": "nodes", "shape": shape, "batch": batch, "tokens_per_s": tps})
+            table.append([shape, batch, f"{tps:.0f}", f"{tps / batch:.1f}", f"{statistics.median(ttfts) * 1e3:.0f}"])
+            print(table[-1], flush=True)
+        if "handoff" in args.only:
+            handoff(prefill, decode, rows, tables, args)
+    header = ["shape", "concurrent streams", "tokens/s (all)", "tokens/s per stream", "TTFT p50 ms"]
+    tables.append("### Both nodes over loopback gRPC (K = 0 greedy)\n\n" + markdown_table(header, table))
+
+
+def handoff(prefill, decode, rows, tables, args) -> None:
+    """TTFT and KV handoff for long prompts, timed piece by piece through the real code."""
+    from protos import pdspec_pb2
+    from protos.validation import DecodeInput, Receiver, validate_decode_request
+
+    engine = prefill.engine
+    recv = Receiver(engine.contract, 8, engine.pair.d2t)
+    table = []
+    for length in (1024, 4096) if not args.smoke else (32, 64):
+        request = pdspec_pb2.GenerateRequest(
+            request_id=f"h{length}",
+            prompt_token_ids=list(range(1, length + 1)),
+            num_speculative_tokens=0,
+            sampling=pdspec_pb2.SamplingParams(max_new_tokens=2),
+        )
+        start = time.perf_counter()
+        checked = engine.check(request)
+        prefilled = engine.prefill(checked)  # prefill + KV export (device -> host)
+        t_prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        wire = prefilled.decode_request.SerializeToString()
+        t_serialize = time.perf_counter() - start
+        start = time.perf_counter()
+        parsed = pdspec_pb2.DecodeRequest.FromString(wire)
+        decoded = validate_decode_request(parsed, recv)
+        assert isinstance(decoded, DecodeInput), decoded
+        t_parse = time.perf_counter() - start
+        model = decode.engine.pair.target  # the running decode node's model and pool
+        start = time.perf_counter()
+        state = model.import_state(decoded.kv_cache, decoded.prompt_token_ids)
+        sync(args.device)
+        t_import = time.perf_counter() - start
+        model.release(state)
+        kv = sum(len(t.data) for t in parsed.kv_cache)
+        rows.append(
+            {
+                "section": "handoff",
+                "prompt": length,
+                "prefill_export_s": t_prefill,
+                "serialize_s": t_serialize,
+                "parse_validate_s": t_parse,
+                "import_s": t_import,
+                "kv_bytes": kv,
+                "wire_GBps": kv / (t_serialize + t_parse) / 1e9,
+            }
+        )
+        table.append(
+            [
+                length,
+                f"{t_prefill * 1e3:.0f}",
+                f"{kv / 2**20:.0f}",
+                f"{t_serialize * 1e3:.0f}",
+                f"{t_parse * 1e3:.0f}",
+                f"{t_import * 1e3:.0f}",
+            ]
+        )
+        print(table[-1], flush=True)
+    header = ["prompt tokens", "prefill + export ms", "KV MiB", "serialize ms", "parse + validate ms", "import ms"]
+    tables.append("### KV handoff (8B shape, bf16)\n\n" + markdown_table(header, table))
+
+
+def spec_section(args, env, rows, tables) -> None:
+    from models.loader import load_pair
+    from sampling.proposal import DraftLaw
+
+    device = args.device
+    if args.smoke:
+        target = random_model("smoke", device, torch.float32)
+        base_pair = ModelPair(
+            target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer()
+        )
+    else:
+        base_pair = load_pair(target_model=args.smollm2, draft_layers=args.draft_layers, device=device)
+    table = []
+    prompt = base_pair.tokenizer.encode("The history of the city begins in the early middle ages, when")
+    for law in DraftLaw:
+        client, stack, _, _ = serve_with_law(base_pair, device, law)
+        with stack:
+            for temperature in (0.0, 1.0):
+                for batch in (1, 16) if not args.smoke else (1, 2):
+                    base, _, _ = load(client, batch, args.tokens, 0, prompt, temperature == 0, max(temperature, 1e-3))
+                    spec, accept, _ = load(
+                        client, batch, args.tokens, 4, prompt, temperature == 0, max(temperature, 1e-3)
+                    )
+                    rows.append(
+                        {
+                            "section": "spec",
+                            "law": law.value,
+                            "temperature": temperature,
+                            "batch": batch,
+                            "k0_tokens_per_s": base,
+                            "k4_tokens_per_s": spec,
+                            "speedup": spec / base,
+                            "accept_length": accept,
+                        }
+                    )
+                    table.append(
+                        [
+                            law.value,
+                            temperature,
+                            batch,
+                            f"{base:.0f}",
+                            f"{spec:.0f}",
+                            f"{spec / base:.2f}x",
+                            f"{accept:.2f}",
+                        ]
+                    )
+                    print(table[-1], flush=True)
+    header = ["draft law", "T", "batch", "K=0 tokens/s", "K=4 tokens/s", "speed-up", "accept length"]
+    tables.append(
+        f"### SmolLM2-135M + first {args.draft_layers} layers as draft, through both nodes\n\n"
+        + markdown_table(header, table)
+    )
+
+
+def serve_with_law(pair: ModelPair, device: str, law):
+    import contextlib
+
+    from decode_node.engine import DecodeConfig
+    from decode_node.server import DecodeNodeConfig
+    from decode_node.server import run_server as run_decode
+    from pdspec.client import Client
+    from pdspec.modelspec import ModelSpec
+    from prefill_node.engine import PrefillConfig
+    from prefill_node.server import PrefillNodeConfig
+    from prefill_node.server import run_server as run_prefill
+
+    stack = contextlib.ExitStack()
+    spec = ModelSpec(device=device, kv_cache_bytes=None if device != "cpu" else 256 << 20)
+    decode = stack.enter_context(
+        run_decode(
+            DecodeNodeConfig(
+                host="127.0.0.1",
+                port=0,
+                metrics_port=None,
+                models=spec,
+                engine=DecodeConfig(device=device, max_batch=64, draft_law=law),
+            ),
+            lambda: pair,
+        )
+    )
+    prefill = stack.enter_context(
+        run_prefill(
+            PrefillNodeConfig(
+                decode_addr=f"127.0.0.1:{decode.port}",
+                host="127.0.0.1",
+                port=0,
+                metrics_port=None,
+                models=spec,
+                engine=PrefillConfig(device=device, draft_law=law),
+                peer_check_s=0.1,
+            ),
+            lambda: pair,
+        )
+    )
+    while not prefill.peer.compatible:
+        time.sleep(0.05)
+    client = stack.enter_context(Client(f"127.0.0.1:{prefill.port}"))
+    return client, stack, prefill, decode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smollm2", default="smollm2-135m-instruct")
+    parser.add_argument("--draft-layers", type=int, default=8)
+    parser.add_argument("--only", default="step,hf,nodes,handoff,spec")
+    parser.add_argument("--context", type=int, default=256, help="context length of the decode-step rows")
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens per request in the node sections")
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    args.only = set(args.only.split(","))
+    args.dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+    args.batches = (1, 2) if args.smoke else (1, 8, 32, 64)
+    if args.smoke:
+        args.context, args.tokens, args.repeat = 32, 8, 3
+    env = environment()
+    rows: list[dict] = []
+    tables: list[str] = []
+    if "step" in args.only:
+        engine_sections(args, env, rows, tables)
+    if "nodes" in args.only:
+        node_sections(args, env, rows, tables)
+    if "spec" in args.only:
+        spec_section(args, env, rows, tables)
+    text = "\n\n".join(tables)
+    print(text)
+    if not args.smoke:
+        print("wrote", write_results("gpu_e2e", env, rows, text))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Both nodes on a GPU with a tiny random Llama on paged KV pools (`make test-gpu`):
+greedy K = 4 equals K = 0, a seeded request is the same alone and in a batch of 32, and
+every KV block is back in the pool afterwards."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+
+from decode_node.engine import DecodeConfig
+from models.loader import load_pair
+from prefill_node.engine import PrefillConfig
+from sampling.proposal import DraftLaw
+from tests.models.hf_fixtures import make_family_checkpoint, make_tokenizer
+from tests.nodes.conftest import cluster, wait_until
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu_pair(tmp_path_factory):
+    path = make_family_checkpoint(tmp_path_factory.mktemp("gpu-llama"), "llama", seed=11, layers=3)
+    make_tokenizer(path, [f"w{i}" for i in range(90)])
+    return load_pair(target_model=path, draft_layers=1, device="cuda", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("law", list(DraftLaw))
+def test_greedy_k4_equals_k0_and_seeded_runs_reproduce_in_a_batch(gpu_pair, law):
+    with cluster(
+        gpu_pair,
+        DecodeConfig(device="cuda", draft_law=law, max_batch=64),
+        PrefillConfig(device="cuda", draft_law=law),
+    ) as (client, _, decode):
+        prompt = list(range(3, 20))
+        for k in (1, 4):
+            spec = client.generate(prompt_token_ids=prompt, greedy=True, max_new_tokens=24, num_speculative_tokens=k)
+            plain = client.generate(prompt_token_ids=prompt, greedy=True, max_new_tokens=24, num_speculative_tokens=0)
+            assert spec.token_ids == plain.token_ids and len(spec.token_ids) == 24
+        solo = [client.generate(prompt_token_ids=prompt, seed=s, max_new_tokens=20).token_ids for s in range(32)]
+        with futures.ThreadPoolExecutor(32) as pool:
+            batch = list(
+                pool.map(
+                    lambda s: client.generate(prompt_token_ids=prompt, seed=s, max_new_tokens=20).token_ids, range(32)
+                )
+            )
+        assert batch == solo and len({tuple(t) for t in solo}) > 1
+        wait_until(lambda: decode.engine.load == 0, what="engine idle")
+        assert decode.engine.pair.target.pool.used_blocks == 0 and decode.engine.pair.draft.pool.used_blocks == 0
+        assert decode.engine.pair.target.device.type == "cuda"
