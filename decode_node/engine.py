@@ -280,7 +280,8 @@ class DecodeEngine:
             if request.first_step:
                 request.first_step = False
                 data = request.input
-                out[i] = _Proposal(data.draft_token_ids.tolist(), data.draft_probs)
+                probs = None if data.draft_probs is None else data.draft_probs.to(self.config.device)
+                out[i] = _Proposal(data.draft_token_ids.tolist(), probs)
             elif request.input.num_speculative_tokens:
                 local.append(i)
             else:

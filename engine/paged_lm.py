@@ -13,18 +13,54 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.kv_cache import KvPool, PagedBatch, PagedSeq
+from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
 from models.base import State
 from models.llama import LlamaCausalLM
 from models.pair import ModelPair
 
 BLOCK_SIZE = 16  # tokens per block: vLLM's default; small enough that waste per request is tiny
+# Forwards where every row brings the same small number of tokens (a decode step: 1; a
+# verify pass: K+1) replay a CUDA graph captured for (row bucket, tokens per row, key-width
+# bucket); prompts and ragged catch-ups run eagerly.
+MAX_GRAPH_ROWS = 256
+MAX_GRAPH_QUERIES = 16
+MIN_GRAPH_WIDTH = 256
+
+
+class _Graph:
+    """One captured forward and its static inputs/outputs."""
+
+    def __init__(self, rows: int, queries: int, width: int, device) -> None:
+        n = rows * queries
+        self.tokens = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
+        self.meta = BatchMeta(
+            new_slots=torch.zeros(n, dtype=torch.int64, device=device),  # the scratch slot
+            key_slots=torch.zeros(rows, width, dtype=torch.int64, device=device),
+            mask=torch.ones(rows, 1, queries, width, dtype=torch.bool, device=device),
+            query_index=torch.arange(n, device=device).view(rows, queries),
+            flat=torch.arange(n, device=device),
+        )
+        self.graph = torch.cuda.CUDAGraph()
+        self.logits: torch.Tensor | None = None
+
+    def fill(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, meta: BatchMeta) -> None:
+        for static, host in zip(
+            (self.tokens, self.positions, self.seq_lens, *self.meta.tensors()),
+            (tokens, positions, seq_lens, *meta.tensors()),
+            strict=True,
+        ):
+            static.copy_(host, non_blocking=True)
 
 
 class PagedLlamaLM:
-    def __init__(self, model: LlamaCausalLM, pool: KvPool) -> None:
+    def __init__(self, model: LlamaCausalLM, pool: KvPool, *, graphs: bool = True) -> None:
         self.model = model
         self.pool = pool
+        self.graphs = graphs and pool.kv.device.type == "cuda"  # hipGraphs on ROCm: same API
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.module, self.config, self.num_layers = model.module, model.config, model.num_layers
         self.name, self.vocab_size = model.name, model.vocab_size
         self.eos_token_ids, self.kv_layout = model.eos_token_ids, model.kv_layout
@@ -36,12 +72,14 @@ class PagedLlamaLM:
         return self.model.positions_computed
 
     @classmethod
-    def with_pool(cls, model: LlamaCausalLM, kv_bytes: int, block_size: int = BLOCK_SIZE) -> PagedLlamaLM:
+    def with_pool(
+        cls, model: LlamaCausalLM, kv_bytes: int, block_size: int = BLOCK_SIZE, *, graphs: bool = True
+    ) -> PagedLlamaLM:
         c = model.config
         per_block = KvPool.bytes_per_block(model.num_layers, c.num_kv_heads, c.head_dim, block_size, model.dtype)
         num_blocks = kv_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes: expected at least one block ({per_block} bytes), got {kv_bytes}")
+        if num_blocks < 2:  # one block is the scratch block
+            raise ValueError(f"kv_cache_bytes: expected at least two blocks ({2 * per_block} bytes), got {kv_bytes}")
         pool = KvPool(
             layers=model.num_layers,
             kv_heads=c.num_kv_heads,
@@ -51,11 +89,11 @@ class PagedLlamaLM:
             dtype=model.dtype,
             device=model.device,
         )
-        return cls(model, pool)
+        return cls(model, pool, graphs=graphs)
 
     # -- reservations ---------------------------------------------------------------------
     def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.pool.block_size
+        return self.pool.usable_blocks * self.pool.block_size
 
     def can_reserve(self, tokens: int) -> bool:
         return self.pool.blocks_for(tokens) <= self.pool.free_blocks
@@ -69,24 +107,76 @@ class PagedLlamaLM:
     # -- the CausalLM interface -------------------------------------------------------------
     def _run(self, states: Sequence[State], ids: Sequence[Sequence[int]], *, last_only: bool = False):
         lengths = [len(row) for row in ids]
-        past = [s.kv.length for s in states]
-        device = self.device
-        tokens = torch.tensor([t for row in ids for t in row], dtype=torch.int64).to(device)
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(past, lengths, strict=True)]).to(device)
-        seq_lens = torch.cat(
-            [torch.full((n,), p + n, dtype=torch.int64) for p, n in zip(past, lengths, strict=True)]
-        ).to(device)
-        logits_at = (torch.tensor(lengths).cumsum(0) - 1).to(device) if last_only else None
-        batch = PagedBatch(self.pool, [s.kv for s in states], lengths, self.config.sliding_window)
+        seqs = [s.kv for s in states]
+        for seq, n in zip(seqs, lengths, strict=True):
+            self.pool.reserve(seq, seq.length + n)  # within the admission reservation: takes nothing new
+        past = [seq.length for seq in seqs]
+        tokens = torch.tensor([t for row in ids for t in row], dtype=torch.int64)
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(past, lengths, strict=True)])
+        seq_lens = torch.cat([torch.full((n,), p + n, dtype=torch.int64) for p, n in zip(past, lengths, strict=True)])
+        uniform = len(set(lengths)) == 1 and lengths[0] <= MAX_GRAPH_QUERIES and len(seqs) <= MAX_GRAPH_ROWS
         with torch.inference_mode():
-            logits = self.module(
-                tokens, positions, batch, logits_at=logits_at, num_layers=self.num_layers, seq_lens=seq_lens
-            ).float()
-        batch.commit()
+            if self.graphs and uniform and not last_only:
+                logits = self._replay(seqs, lengths, tokens, positions, seq_lens)
+            else:
+                meta = batch_meta(self.pool, seqs, lengths, self.config.sliding_window).to(self.device)
+                logits_at = (torch.tensor(lengths).cumsum(0) - 1).to(self.device) if last_only else None
+                logits = self.module(
+                    tokens.to(self.device),
+                    positions.to(self.device),
+                    PagedBatch(self.pool, meta),
+                    logits_at=logits_at,
+                    num_layers=self.num_layers,
+                    seq_lens=seq_lens.to(self.device),
+                ).float()
+        for seq, n in zip(seqs, lengths, strict=True):
+            seq.length += n
         self.model.positions_computed += len(tokens)
         for state, row in zip(states, ids, strict=True):
             state.tokens += [int(t) for t in row]
         return logits
+
+    def _replay(self, seqs, lengths, tokens, positions, seq_lens) -> torch.Tensor:
+        """The forward of a uniform batch through its captured graph (captured on first use)."""
+        queries, real = lengths[0], len(seqs)
+        rows = bucket(real)
+        width = bucket(max(s.length + queries for s in seqs), MIN_GRAPH_WIDTH)
+        graph = self._graphs.get((rows, queries, width))
+        if graph is None:
+            graph = self._graphs[(rows, queries, width)] = self._capture(rows, queries, width)
+        pad = (rows - real) * queries
+        meta = batch_meta(self.pool, seqs, lengths, self.config.sliding_window, rows=rows, width=width)
+        graph.fill(
+            torch.nn.functional.pad(tokens, (0, pad)),
+            torch.nn.functional.pad(positions, (0, pad)),
+            torch.nn.functional.pad(seq_lens, (0, pad), value=1),
+            meta,
+        )
+        graph.graph.replay()
+        return graph.logits[: real * queries].to(torch.float32, copy=True)  # the next replay reuses the buffer
+
+    def _capture(self, rows: int, queries: int, width: int) -> _Graph:
+        """Capture with scratch-only inputs (padding everywhere): capture and its warm-up
+        write nothing but the scratch block."""
+        graph = _Graph(rows, queries, width, self.device)
+
+        def forward() -> torch.Tensor:
+            return self.module(
+                graph.tokens,
+                graph.positions,
+                PagedBatch(self.pool, graph.meta),
+                num_layers=self.num_layers,
+                seq_lens=graph.seq_lens,
+            )
+
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            forward()  # warm-up: kernels chosen and workspaces allocated outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        with torch.cuda.graph(graph.graph, pool=self._graph_pool):
+            graph.logits = forward()
+        return graph
 
     def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, State]:
         if not ids:
@@ -144,7 +234,7 @@ class PagedLlamaLM:
         return state
 
 
-def paged_pair(pair: ModelPair, kv_cache_bytes: int) -> ModelPair:
+def paged_pair(pair: ModelPair, kv_cache_bytes: int, *, graphs: bool = True) -> ModelPair:
     """The pair with its Llama models on paged pools sharing `kv_cache_bytes`: target and
     draft pools hold the same number of tokens (every request has KV in both), so the bytes
     split by their per-token sizes (a layer-skip draft of N of L layers takes N/(N+L)).
@@ -153,10 +243,10 @@ def paged_pair(pair: ModelPair, kv_cache_bytes: int) -> ModelPair:
         return pair
     models = [pair.target] + ([pair.draft] if isinstance(pair.draft, LlamaCausalLM) else [])
     tokens = kv_cache_bytes // sum(bytes_per_token(m) for m in models)
-    target = PagedLlamaLM.with_pool(pair.target, tokens * bytes_per_token(pair.target))
+    target = PagedLlamaLM.with_pool(pair.target, tokens * bytes_per_token(pair.target), graphs=graphs)
     draft = pair.draft
     if isinstance(draft, LlamaCausalLM):
-        draft = PagedLlamaLM.with_pool(draft, tokens * bytes_per_token(draft))
+        draft = PagedLlamaLM.with_pool(draft, tokens * bytes_per_token(draft), graphs=graphs)
     return ModelPair(target, draft, pair.d2t, pair.tokenizer)
 
 

@@ -178,6 +178,11 @@ class GenerationService:
                 response.text, stopped = stops.push(detokenizer.push(response.token_ids))
                 if stopped or response.finished:
                     complete = not stopped
+                    if complete:
+                        # Read the stream's end (its OK status) before answering: a call dropped
+                        # unread is cancelled, and decode would count a finished request CANCELLED.
+                        for _ in relay:
+                            pass
                     reason = "stop" if stopped else response.finish_reason
                     yield stream.finish(response, reason, detokenizer, stops, stopped)
                     return

@@ -51,3 +51,28 @@ def test_greedy_k4_equals_k0_and_seeded_runs_reproduce_in_a_batch(gpu_pair, law)
         wait_until(lambda: decode.engine.load == 0, what="engine idle")
         assert decode.engine.pair.target.pool.used_blocks == 0 and decode.engine.pair.draft.pool.used_blocks == 0
         assert decode.engine.pair.target.device.type == "cuda"
+
+
+def test_captured_graphs_equal_eager(gpu_pair):
+    from engine.paged_lm import PagedLlamaLM, bytes_per_token
+
+    model = gpu_pair.target
+    budget = 4096 * bytes_per_token(model)
+    graphed, eager = (PagedLlamaLM.with_pool(model, budget, graphs=g) for g in (True, False))
+    for rows in (1, 3, 8):
+        for queries in (1, 5):
+            states = []
+            for lm in (graphed, eager):
+                row_states = [lm.prefill(list(range(2, 10 + 3 * r)))[1] for r in range(rows)]
+                for s in row_states:
+                    lm.reserve(s, len(s.tokens) + queries)
+                states.append(row_states)
+            feed = [list(range(4, 4 + queries)) for _ in range(rows)]
+            got = graphed.extend_batch(states[0], feed)
+            want = eager.extend_batch(states[1], feed)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            for lm, row_states in zip((graphed, eager), states, strict=True):
+                for s in row_states:
+                    lm.release(s)
+    assert len(graphed._graphs) == 6 and graphed.pool.used_blocks == 0

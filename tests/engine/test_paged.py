@@ -71,7 +71,8 @@ def test_ragged_batches_truncation_and_import_equal_the_contiguous_store(models)
 
 
 def test_pool_reservations_are_all_or_nothing_and_freed():
-    pool = KvPool(layers=2, kv_heads=1, head_dim=4, num_blocks=4, block_size=16, dtype=torch.float32, device="cpu")
+    pool = KvPool(layers=2, kv_heads=1, head_dim=4, num_blocks=5, block_size=16, dtype=torch.float32, device="cpu")
+    assert pool.usable_blocks == 4  # block 0 is scratch (graph padding writes there)
     a, b = PagedSeq(), PagedSeq()
     pool.reserve(a, 33)  # 3 blocks
     assert pool.free_blocks == 1
@@ -84,7 +85,7 @@ def test_pool_reservations_are_all_or_nothing_and_freed():
     pool.release(b)
     assert pool.free_blocks == 4 and a.blocks == [] and a.length == 0
     with pytest.raises(ValueError, match="num_blocks/block_size"):
-        KvPool(layers=1, kv_heads=1, head_dim=4, num_blocks=0, block_size=16, dtype=torch.float32, device="cpu")
+        KvPool(layers=1, kv_heads=1, head_dim=4, num_blocks=1, block_size=16, dtype=torch.float32, device="cpu")
 
 
 def test_paged_pair_splits_the_bytes_so_both_pools_hold_the_same_tokens(tmp_path):
@@ -93,7 +94,8 @@ def test_paged_pair_splits_the_bytes_so_both_pools_hold_the_same_tokens(tmp_path
     pair = load_pair(target_model=path, draft_layers=1)
     budget = 100 * (bytes_per_token(pair.target) + bytes_per_token(pair.draft))
     paged = paged_pair(pair, budget)
-    assert paged.target.capacity_tokens() == paged.draft.capacity_tokens() == 96  # 100 tokens, 16-token blocks
+    # 100 tokens = 6 blocks of 16, one of them scratch
+    assert paged.target.capacity_tokens() == paged.draft.capacity_tokens() == 80
     assert paged.draft.module is paged.target.module  # the layer-skip draft still shares the weights
     assert paged.target.name == pair.target.name and paged.target.kv_layout == pair.target.kv_layout
     target = load_hf_llama(path, dtype=torch.float32)
@@ -102,3 +104,37 @@ def test_paged_pair_splits_the_bytes_so_both_pools_hold_the_same_tokens(tmp_path
     torch.testing.assert_close(logits, draft.prefill([3, 4, 5])[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         PagedLlamaLM.with_pool(target, 10)
+
+
+def test_graph_bucket_padding_changes_no_real_row(models):
+    """The inputs a captured graph replays (rows padded to a bucket, keys to a width bucket,
+    padding on the scratch block) give the real rows exactly the unpadded logits."""
+    from engine.kv_cache import PagedBatch, batch_meta
+
+    contiguous, paged = models
+    vocab = contiguous.vocab_size
+    pairs = [
+        (contiguous.prefill(p)[1], paged.prefill(p)[1]) for p in (ids(9, 1, vocab), ids(20, 2, vocab), ids(3, 3, vocab))
+    ]
+    for _, sp in pairs:
+        paged.reserve(sp, len(sp.tokens) + 2)
+    feed = [[5, 6], [7, 8], [9, 10]]  # uniform: 2 tokens per row, like a K = 1 verify pass
+    want = contiguous.extend_batch([c for c, _ in pairs], feed)
+    seqs = [p.kv for _, p in pairs]
+    scratch_before = paged.pool.kv[:, :, : paged.pool.block_size].clone()
+    meta = batch_meta(paged.pool, seqs, [2, 2, 2], paged.config.sliding_window, rows=4, width=256)
+    past = [s.length for s in seqs]
+    tokens = torch.tensor([t for row in feed for t in row] + [0, 0])
+    positions = torch.tensor([p + i for p in past for i in range(2)] + [0, 0])
+    seq_lens = torch.tensor([p + 2 for p in past for _ in range(2)] + [1, 1])
+    with torch.inference_mode():
+        got = paged.module(
+            tokens, positions, PagedBatch(paged.pool, meta), num_layers=paged.num_layers, seq_lens=seq_lens
+        )
+    for row in range(3):
+        torch.testing.assert_close(got[2 * row : 2 * row + 2].float(), want[row], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got).all()
+    touched = paged.pool.kv[:, :, paged.pool.block_size :]
+    assert touched.abs().sum() > 0 and not torch.equal(paged.pool.kv[:, :, : paged.pool.block_size], scratch_before)
+    for _, sp in pairs:
+        paged.release(sp)
