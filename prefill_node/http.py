@@ -174,6 +174,8 @@ class ChatBody(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------- the call
@@ -353,8 +355,7 @@ class _Logprobs:
 
     def __init__(self, texts: _TokenTexts, top: int) -> None:
         self.texts, self.top = texts, top
-        self.offsets = texts.tokenizer.incremental()  # text_offset: where each token's text starts
-        self.offset = 0
+        self.offset = 0  # text_offset: the summed lengths of the token strings before (as vLLM)
 
     def completion(self, response: pdspec_pb2.GenerateResponse) -> dict:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -364,7 +365,7 @@ class _Logprobs:
             pairs = zip(entry.top_token_ids[: self.top], entry.top_logprobs[: self.top], strict=False)
             out["top_logprobs"].append({self.texts.text(t): lp for t, lp in pairs})
             out["text_offset"].append(self.offset)
-            self.offset += len(self.offsets.push([token_id]))
+            self.offset += len(out["tokens"][-1])
         return out
 
     def chat(self, response: pdspec_pb2.GenerateResponse) -> list[dict]:
@@ -580,6 +581,11 @@ class OpenAIApi:
             if _is_batch(body.prompt) and len(body.prompt) != 1:
                 message = f"prompt: expected one prompt per request, got {len(body.prompt)}"
                 raise OpenAIError(400, message, "prompt", "unsupported")
+        elif body.tools:
+            raise OpenAIError(400, "tools: not supported (no function calling)", "tools", "unsupported")
+        elif body.response_format and body.response_format.get("type", "text") != "text":
+            message = f"response_format: expected type text, got {body.response_format.get('type')!r}"
+            raise OpenAIError(400, message, "response_format", "unsupported")
         elif body.max_tokens and body.max_completion_tokens and body.max_tokens != body.max_completion_tokens:
             message = "max_tokens / max_completion_tokens: expected one, or equal values"
             raise OpenAIError(400, message, "max_completion_tokens", "invalid_parameter")
