@@ -5,8 +5,12 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
+NO_CHAT_TEMPLATE = "chat_template: expected a chat template with the tokenizer, got none"
+
 
 class ByteTokenizer:
+    chat_template: str | None = None  # byte-level models have no chat format
+
     def __init__(self, special_ids: Sequence[int] = ()) -> None:
         self.special_ids = frozenset(special_ids)
 
@@ -18,6 +22,9 @@ class ByteTokenizer:
 
     def incremental(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer()
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+        raise ValueError(NO_CHAT_TEMPLATE)
 
 
 class IncrementalDetokenizer:
@@ -77,3 +84,11 @@ class TextTokenizer:
 
     def incremental(self) -> IncrementalTextDecoder:
         return IncrementalTextDecoder(self)
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+        """The prompt text of a chat (`messages` as the OpenAI API sends them) through the
+        model's chat template, ending with the assistant's turn opened (add_generation_prompt).
+        The template writes any special tokens (BOS...) itself: encode the text without adding them."""
+        if not self.chat_template:
+            raise ValueError(NO_CHAT_TEMPLATE)
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)

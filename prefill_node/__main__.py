@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from pdspec.config import node_options, node_parser, request_limits
 from pdspec.serving import serve_until_signal
@@ -37,7 +38,25 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
     parser.add_flag(
         "--max-streams", default=160, type=int, help="concurrent Generate streams (then RESOURCE_EXHAUSTED)"
     )
+    parser.add_flag(
+        "--http-port", default=8000, type=int, help="OpenAI-compatible HTTP API port (0 = any free port, -1 = off)"
+    )
+    parser.add_flag(
+        "--served-model-name", default=None, help="model id of the HTTP API (default: the target's contract name)"
+    )
+    parser.add_flag("--api-key", default=None, help="require Authorization: Bearer KEY on the HTTP API's /v1/*")
+    parser.add_flag("--api-key-file", default=None, type=Path, help="read the API key from this file instead")
     args = parser.parse_args(argv)
+    api_key = args.api_key
+    if args.api_key_file is not None:
+        if api_key:
+            parser.error("--api-key and --api-key-file: expected one, got both")
+        try:
+            api_key = args.api_key_file.read_text().strip()
+        except OSError as err:
+            parser.error(f"--api-key-file: cannot read {args.api_key_file}: {err}")
+        if not api_key:
+            parser.error(f"--api-key-file: expected a key in {args.api_key_file}, got an empty file")
     engine = PrefillConfig(
         draft_law=DraftLaw(args.draft_sampling),
         proposal_encoding=ProposalEncoding(args.proposal_encoding),
@@ -49,7 +68,13 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
         device=args.device,
     )
     return PrefillNodeConfig(
-        decode_addr=args.decode_addr, engine=engine, max_streams=args.max_streams, **node_options(args)
+        decode_addr=args.decode_addr,
+        engine=engine,
+        max_streams=args.max_streams,
+        http_port=None if args.http_port < 0 else args.http_port,
+        served_model_name=args.served_model_name,
+        api_key=api_key or None,
+        **node_options(args),
     )
 
 

@@ -65,6 +65,11 @@ class PrefillNodeConfig:
     peer_check_s: float = 1.0  # while the peer is not compatible; 10x that while it is
     grace_s: float = 5.0
     max_streams: int = 160  # concurrent Generate streams (the worker pool has headroom above it)
+    # The OpenAI-compatible HTTP API (prefill_node/http.py): None = off, 0 = any free port.
+    # Off by default here (tests and embedders pick their ports); the CLI's default is 8000.
+    http_port: int | None = None
+    served_model_name: str | None = None  # the API's model id (default: the target's name in the contract)
+    api_key: str | None = None  # when set, required as `Authorization: Bearer <key>` on /v1/*
 
 
 class DecodePeer:
@@ -198,6 +203,7 @@ class RunningPrefillNode:
     peer: DecodePeer
     service: GenerationService
     shell: NodeShell
+    http_port: int | None = None  # the OpenAI API's port, None when off
 
 
 def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.NodeInfo:
@@ -259,9 +265,35 @@ def run_server(
     pdspec_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(service, info), shell.server)
     shell.start()
     peer.start()
-    log.info("prefill node on %s:%d, decode peer %s", config.host, shell.port, config.decode_addr)
+    http = None
     try:
-        yield RunningPrefillNode(shell.server, shell.port, metrics, shell.metrics_port, engine, peer, service, shell)
+        if config.http_port is not None and config.http_port >= 0:
+            from prefill_node.http import start_http
+
+            http = start_http(
+                service,
+                config.host,
+                config.http_port,
+                served_model_name=config.served_model_name,
+                api_key=config.api_key,
+                max_streams=config.max_streams,
+                grace_s=config.grace_s,
+            )
+            log.info("OpenAI-compatible API on http://%s:%d/v1", config.host, http.port)
+        log.info("prefill node on %s:%d, decode peer %s", config.host, shell.port, config.decode_addr)
+        yield RunningPrefillNode(
+            shell.server,
+            shell.port,
+            metrics,
+            shell.metrics_port,
+            engine,
+            peer,
+            service,
+            shell,
+            http.port if http else None,
+        )
     finally:
+        if http is not None:
+            http.stop()  # first: its streams still need the decode peer while they drain
         shell.stop(config.grace_s)
         peer.stop()

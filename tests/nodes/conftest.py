@@ -1,4 +1,5 @@
 import contextlib
+import dataclasses
 import time
 
 import grpc
@@ -36,8 +37,14 @@ def health_status(port: int, service: str = "") -> int:
 
 
 @contextlib.contextmanager
-def cluster(pair, decode_config: DecodeConfig | None = None, prefill_config: PrefillConfig | None = None):
-    """A decode and a prefill node on loopback, ports chosen by the OS, ready to serve."""
+def cluster(
+    pair,
+    decode_config: DecodeConfig | None = None,
+    prefill_config: PrefillConfig | None = None,
+    **prefill_node: object,
+):
+    """A decode and a prefill node on loopback, ports chosen by the OS, ready to serve;
+    `prefill_node` overrides PrefillNodeConfig fields (http_port=0 for the OpenAI API...)."""
     with run_decode(
         DecodeNodeConfig(host="127.0.0.1", port=0, metrics_port=0, engine=decode_config or DecodeConfig()), lambda: pair
     ) as decode:
@@ -49,6 +56,7 @@ def cluster(pair, decode_config: DecodeConfig | None = None, prefill_config: Pre
             engine=prefill_config or PrefillConfig(),
             peer_check_s=0.2,
         )
+        config = dataclasses.replace(config, **prefill_node)
         with run_prefill(config, lambda: pair) as prefill:
             wait_until(lambda: prefill.peer.compatible, what="decode peer")
             with Client(f"127.0.0.1:{prefill.port}") as client:

@@ -1,0 +1,827 @@
+"""The OpenAI-compatible HTTP API of the prefill node (FastAPI under uvicorn, in a thread).
+
+A thin translation onto `GenerationService.generate`, the node's one generation path:
+an OpenAI request becomes a GenerateRequest, the GenerateResponse stream becomes an OpenAI
+response (or server-sent events), a `RequestFailed` becomes an OpenAI-shaped error. The
+sync generator runs in a worker thread of this module's pool (never on the event loop);
+responses reach the loop through a queue, and a client that goes away reaches the thread
+through the request's `HttpCall` (is_active() turns False, the callbacks - the relayed
+decode call's cancel - run, and the generator is closed), so the decode slot frees.
+
+Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
+POST /v1/chat/completions, GET /health. docs/openai.md describes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from models.tokenizer import ByteTokenizer
+from prefill_node.service import GenerationService, RequestFailed
+from protos import pdspec_pb2
+
+log = logging.getLogger(__name__)
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+HEADROOM_THREADS = 16  # requests turned away by admission still need a thread to be told so
+
+# pdspec violation fields -> the OpenAI parameter (per endpoint where they differ)
+_PARAMS = {
+    "sampling.max_new_tokens": "max_tokens",
+    "sampling.temperature": "temperature",
+    "sampling.top_k": "top_k",
+    "sampling.top_p": "top_p",
+    "sampling.seed": "seed",
+    "sampling.stop_token_ids": "stop_token_ids",
+    "sampling.logprobs": "logprobs",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt": "prompt",
+    "prompt_token_ids": "prompt",
+    "request_id": None,
+}
+_CHAT_PARAMS = {"prompt": "messages", "prompt_token_ids": "messages", "sampling.logprobs": "top_logprobs"}
+_STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class OpenAIError(Exception):
+    """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = _ERROR_TYPES.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def from_request_failed(err: RequestFailed, chat: bool) -> OpenAIError:
+    """A GenerationService failure as the OpenAI error a client of this endpoint expects."""
+    status = _STATUS.get(err.code, 500)
+    if err.violations:
+        names = {**_PARAMS, **(_CHAT_PARAMS if chat else {})}
+        parts = [(names.get(v.field, v.field), v) for v in err.violations]
+        message = "; ".join(f"{param or v.field}: {v.description}" for param, v in parts)
+        return OpenAIError(status, message, parts[0][0], "invalid_parameter")
+    code = {429: "resource_exhausted", 503: "unavailable"}.get(status, err.code.lower())
+    return OpenAIError(status, err.message, None, code)
+
+
+def _validation_error(err: RequestValidationError) -> OpenAIError:
+    """pydantic's errors as one 400 naming the (first) parameter, not FastAPI's 422."""
+    messages, first = [], None
+    for error in err.errors():
+        loc = list(error.get("loc", ()))
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        param = ""
+        for i, part in enumerate(loc):  # the field, then list indices: messages[0]
+            if isinstance(part, int):
+                param += f"[{part}]"
+            elif i == 0:
+                param = str(part)
+            else:
+                break
+        first = first or param or None
+        messages.append(f"{param or 'body'}: {error.get('msg', 'invalid')}")
+    return OpenAIError(400, "; ".join(dict.fromkeys(messages)) or "invalid request body", first, "invalid_parameter")
+
+
+# ---------------------------------------------------------------------------- request bodies
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What both endpoints share; unknown fields are ignored, like OpenAI's own SDK fields."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None  # extension; -1 or 0 = off
+    seed: Annotated[int, Field(ge=0, le=UINT64_MAX)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int32] | None = None  # extension (vLLM)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None  # pdspec extension
+
+
+class CompletionBody(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls...: passed on to the template
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------------- the call
+
+
+class HttpCall:
+    """The `Call` of one HTTP request: active until the client goes away (or it ended)."""
+
+    def __init__(self) -> None:
+        self._active = True
+        self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def is_active(self) -> bool:
+        return self._active
+
+    def time_remaining(self) -> float | None:
+        return None  # HTTP clients send no deadline
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        with self._lock:
+            if not self._active:
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    def cancel(self) -> None:
+        with self._lock:
+            if not self._active:
+                return
+            self._active = False
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("cancel callback failed")
+
+    def end(self) -> None:
+        """The generation ended by itself: nothing is left to cancel."""
+        with self._lock:
+            self._active = False
+            self._callbacks = []
+
+
+_END = object()
+
+
+class _Run:
+    """One GenerateRequest through `GenerationService.generate` in a worker thread."""
+
+    def __init__(
+        self, api: OpenAIApi, build: Callable[[], pdspec_pb2.GenerateRequest], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.call = HttpCall()
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_tokens = 0
+        self._api = api
+        api.runs.add(self)
+        self.done = loop.run_in_executor(api.executor, self._drive, build)
+        self.done.add_done_callback(lambda _: api.runs.discard(self))
+
+    def _put(self, item) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed (shutdown): nobody is listening
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def _drive(self, build: Callable[[], pdspec_pb2.GenerateRequest]) -> None:
+        try:
+            if not self.call.is_active():  # gone while it waited for a thread
+                self._put(_END)
+                return
+            request = build()
+            self.prompt_tokens = len(request.prompt_token_ids)
+            responses = self._api.service.generate(request, self.call)
+            try:
+                for response in responses:
+                    self._put(response)
+                    if not self.call.is_active():
+                        break  # close() below: the service counts it CANCELLED and cancels the decode call
+                else:
+                    self.call.end()
+            finally:
+                responses.close()
+            self._put(_END)
+        except BaseException as err:  # relayed to the event loop, which answers the client
+            self._put(err)
+
+    async def next(self) -> pdspec_pb2.GenerateResponse | None:
+        item = await self.queue.get()
+        if item is _END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def collect(self) -> list[pdspec_pb2.GenerateResponse]:
+        out = []
+        while (item := await self.next()) is not None:
+            out.append(item)
+        return out
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_disconnect(request: Request, run: _Run, awaitable):
+    """`awaitable`'s result, or _ClientGone (and the run cancelled) when the client leaves first."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the server is shutting down
+        task.cancel()
+        run.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        run.cancel()
+        raise _ClientGone
+    return task.result()
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+def stats_json(stats: pdspec_pb2.RequestStats) -> dict:
+    draft = stats.draft_tokens
+    return {
+        "verify_steps": stats.verify_steps,
+        "draft_tokens": draft,
+        "accepted_tokens": stats.accepted_tokens,
+        "accepted_per_position": list(stats.accepted_per_position),
+        "acceptance_rate": stats.accepted_tokens / draft if draft else None,
+    }
+
+
+class _TokenTexts:
+    """Token strings and bytes for logprobs (bytes the tokenizer cannot make whole: "bytes:\\xNN")."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._bytes: dict[int, bytes] = {}
+
+    def bytes(self, token_id: int) -> bytes:
+        found = self._bytes.get(token_id)
+        if found is None:
+            if isinstance(self.tokenizer, ByteTokenizer):
+                found = bytes([token_id]) if token_id < 256 else b""
+            else:
+                found = self.tokenizer.decode([token_id]).encode()
+            if len(self._bytes) < 1 << 16:
+                self._bytes[token_id] = found
+        return found
+
+    def text(self, token_id: int) -> str:
+        raw = self.bytes(token_id)
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class _Logprobs:
+    """GenerateResponse.logprobs in the OpenAI shapes, `top` alternatives per token."""
+
+    def __init__(self, texts: _TokenTexts, top: int) -> None:
+        self.texts, self.top = texts, top
+        self.offset = 0  # text_offset: the summed lengths of the token strings before (as vLLM)
+
+    def completion(self, response: pdspec_pb2.GenerateResponse) -> dict:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, entry in zip(response.token_ids, response.logprobs, strict=False):
+            out["tokens"].append(self.texts.text(token_id))
+            out["token_logprobs"].append(entry.logprob)
+            pairs = zip(entry.top_token_ids[: self.top], entry.top_logprobs[: self.top], strict=False)
+            out["top_logprobs"].append({self.texts.text(t): lp for t, lp in pairs})
+            out["text_offset"].append(self.offset)
+            self.offset += len(out["tokens"][-1])
+        return out
+
+    def chat(self, response: pdspec_pb2.GenerateResponse) -> list[dict]:
+        def one(token_id: int, logprob: float) -> dict:
+            return {"token": self.texts.text(token_id), "logprob": logprob, "bytes": list(self.texts.bytes(token_id))}
+
+        out = []
+        for token_id, entry in zip(response.token_ids, response.logprobs, strict=False):
+            pairs = zip(entry.top_token_ids[: self.top], entry.top_logprobs[: self.top], strict=False)
+            out.append({**one(token_id, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in pairs]})
+        return out
+
+
+@dataclass
+class _Shape:
+    """How one endpoint renders the responses of one request."""
+
+    chat: bool
+    id: str
+    model: str
+    created: int
+    logprobs: _Logprobs | None
+    include_usage: bool = False
+
+    def head(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def choice_logprobs(self, response: pdspec_pb2.GenerateResponse):
+        if self.logprobs is None:
+            return None
+        return {"content": self.logprobs.chat(response)} if self.chat else self.logprobs.completion(response)
+
+    def chunk(self, response: pdspec_pb2.GenerateResponse) -> dict:
+        reason = FINISH_REASONS.get(response.finish_reason, "stop") if response.finished else None
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = {"content": response.text} if response.text or not response.finished else {}
+        else:
+            choice["text"] = response.text
+        choice["logprobs"] = self.choice_logprobs(response)
+        choice["finish_reason"] = reason
+        out = {**self.head(True), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        if response.finished:
+            out["pdspec"] = stats_json(response.stats)
+        return out
+
+    def role_chunk(self) -> dict:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return {**self.head(True), "choices": [choice], **({"usage": None} if self.include_usage else {})}
+
+    def usage_chunk(self, usage: dict, stats: dict) -> dict:
+        return {**self.head(True), "choices": [], "usage": usage, "pdspec": stats}
+
+    def whole(self, responses: Sequence[pdspec_pb2.GenerateResponse], usage: dict) -> dict:
+        text = "".join(r.text for r in responses)
+        last = responses[-1]
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if self.logprobs is None:
+            choice["logprobs"] = None
+        elif self.chat:
+            choice["logprobs"] = {"content": [e for r in responses for e in self.logprobs.chat(r)]}
+        else:
+            parts = [self.logprobs.completion(r) for r in responses]
+            choice["logprobs"] = {key: [v for p in parts for v in p[key]] for key in parts[0]}
+        choice["finish_reason"] = FINISH_REASONS.get(last.finish_reason, "stop")
+        return {**self.head(False), "choices": [choice], "usage": usage, "pdspec": stats_json(last.stats)}
+
+
+def _is_batch(prompt) -> bool:
+    """A list of prompts (strings or id lists), not one prompt of ids."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+# ---------------------------------------------------------------------------- the API
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    served_model_name: str | None = None  # default: the target model's name in the contract
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/* when set
+    max_streams: int = 160
+
+
+class OpenAIApi:
+    """The FastAPI app over one GenerationService."""
+
+    def __init__(self, service: GenerationService, config: ApiConfig) -> None:
+        self.service = service
+        self.config = config
+        contract = service.engine.contract
+        self.model = config.served_model_name or contract.target_model
+        self.draft_model = contract.draft_model
+        self.created = int(time.time())
+        self.executor = ThreadPoolExecutor(config.max_streams + HEADROOM_THREADS, thread_name_prefix="openai-http")
+        self.runs: set[_Run] = set()
+        self.tokenizer = service.engine.pair.tokenizer
+        self.texts = _TokenTexts(self.tokenizer)
+        self.app = self._build()
+
+    def close(self) -> None:
+        """Cancel what still runs and wait for the worker threads."""
+        for run in list(self.runs):
+            run.cancel()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    # -- the app
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="pdspec OpenAI-compatible API", docs_url=None, redoc_url=None)
+
+        @app.exception_handler(OpenAIError)
+        async def _openai_error(request: Request, err: OpenAIError):
+            return err.response()
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(request: Request, err: RequestValidationError):
+            return _validation_error(err).response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, err: StarletteHTTPException):
+            code = "not_found" if err.status_code == 404 else None
+            return OpenAIError(err.status_code, str(err.detail), None, code).response()
+
+        @app.get("/health")
+        async def health():
+            peer = self.service.peer
+            if peer.compatible:
+                return {"status": "ok"}
+            return JSONResponse({"status": "unavailable", "reason": peer.problem}, status_code=503)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": self._models()}
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str):
+            for entry in self._models():
+                if entry["id"] == model_id:
+                    return entry
+            raise self._unknown_model(model_id)
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionBody, request: Request):
+            return await self._serve(request, body, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatBody, request: Request):
+            return await self._serve(request, body, chat=True)
+
+        if self.config.api_key:
+            app.add_middleware(_ApiKey, key=self.config.api_key)
+        return app
+
+    def _models(self) -> list[dict]:
+        target = {"id": self.model, "object": "model", "created": self.created, "owned_by": "pdspec"}
+        draft = {
+            "id": self.draft_model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pdspec",
+            "parent": self.model,  # it drafts for the served model; requests name the served model
+        }
+        return [target, draft]
+
+    def _unknown_model(self, name: str) -> OpenAIError:
+        if name == self.draft_model:
+            message = f"model {name!r} is the draft of {self.model!r}: request {self.model!r}"
+        else:
+            message = f"model {name!r} does not exist: this server serves {self.model!r}"
+        return OpenAIError(404, message, "model", "model_not_found")
+
+    # -- translation
+
+    def _check(self, body: CompletionBody | ChatBody, chat: bool) -> None:
+        """What the OpenAI API has and pdspec does not do: 400 naming the parameter."""
+        if body.model is not None and body.model != self.model:
+            raise self._unknown_model(body.model)
+        if body.n != 1:
+            raise OpenAIError(400, f"n: expected 1 (one choice per request), got {body.n}", "n", "unsupported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name):
+                raise OpenAIError(400, f"{name}: expected 0 or unset (not supported)", name, "unsupported")
+        if body.logit_bias:
+            raise OpenAIError(400, "logit_bias: not supported", "logit_bias", "unsupported")
+        if not chat:
+            assert isinstance(body, CompletionBody)
+            if body.echo:
+                raise OpenAIError(400, "echo: expected false (not supported)", "echo", "unsupported")
+            if body.best_of not in (None, 1):
+                raise OpenAIError(400, f"best_of: expected 1, got {body.best_of}", "best_of", "unsupported")
+            if body.suffix:
+                raise OpenAIError(400, "suffix: not supported", "suffix", "unsupported")
+            if _is_batch(body.prompt) and len(body.prompt) != 1:
+                message = f"prompt: expected one prompt per request, got {len(body.prompt)}"
+                raise OpenAIError(400, message, "prompt", "unsupported")
+        elif body.tools:
+            raise OpenAIError(400, "tools: not supported (no function calling)", "tools", "unsupported")
+        elif body.response_format and body.response_format.get("type", "text") != "text":
+            message = f"response_format: expected type text, got {body.response_format.get('type')!r}"
+            raise OpenAIError(400, message, "response_format", "unsupported")
+        elif body.max_tokens and body.max_completion_tokens and body.max_tokens != body.max_completion_tokens:
+            message = "max_tokens / max_completion_tokens: expected one, or equal values"
+            raise OpenAIError(400, message, "max_completion_tokens", "invalid_parameter")
+
+    def _sampling(self, body: CompletionBody | ChatBody, max_tokens: int, logprobs: int) -> pdspec_pb2.SamplingParams:
+        temperature = 1.0 if body.temperature is None else body.temperature
+        sampling = pdspec_pb2.SamplingParams(
+            do_sample=temperature != 0,  # 0 = greedy; a negative value is the engine's to reject
+            temperature=temperature,
+            top_k=0 if body.top_k in (None, -1) else body.top_k,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            max_new_tokens=max_tokens,
+            stop_token_ids=body.stop_token_ids or [],
+            logprobs=logprobs,
+        )
+        if body.seed is not None:
+            sampling.seed = body.seed
+        return sampling
+
+    def _prompt_ids(self, body: CompletionBody | ChatBody, chat: bool) -> list[int]:
+        """The prompt as the engine will see it (its length is usage.prompt_tokens)."""
+        if chat:
+            assert isinstance(body, ChatBody)
+            messages = []
+            for i, message in enumerate(body.messages):
+                entry = message.model_dump(exclude_none=True)
+                if isinstance(message.content, list):
+                    texts = []
+                    for part in message.content:
+                        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                            param = f"messages[{i}].content"
+                            raise OpenAIError(400, f"{param}: only text content parts are supported", param)
+                        texts.append(part["text"])
+                    entry["content"] = "".join(texts)
+                messages.append(entry)
+            template = getattr(self.tokenizer, "apply_chat_template", None)
+            if template is None or not getattr(self.tokenizer, "chat_template", None):
+                raise OpenAIError(
+                    400, f"messages: model {self.model!r} has no chat template: use /v1/completions", "messages"
+                )
+            try:
+                text = template(messages)
+            except Exception as err:  # a template that raises on these messages (jinja2 errors)
+                raise OpenAIError(400, f"messages: the chat template failed: {err}", "messages") from err
+            return self.tokenizer.encode(text)
+        assert isinstance(body, CompletionBody)
+        prompt = body.prompt
+        if _is_batch(prompt):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise OpenAIError(400, "prompt: expected text of at least 1 token, got 0 tokens", "prompt")
+            return ids
+        return list(prompt)
+
+    def _generate_request(self, body: CompletionBody | ChatBody, chat: bool, rid: str, logprobs: int):
+        if chat:
+            assert isinstance(body, ChatBody)
+            max_tokens = body.max_completion_tokens or body.max_tokens or 0  # 0: the server's default
+        else:
+            assert isinstance(body, CompletionBody)
+            max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        sampling = self._sampling(body, max_tokens, logprobs)
+
+        def build() -> pdspec_pb2.GenerateRequest:  # in the worker thread: tokenizing is model work
+            request = pdspec_pb2.GenerateRequest(
+                request_id=rid, prompt_token_ids=self._prompt_ids(body, chat), sampling=sampling, stop=stops
+            )
+            if body.num_speculative_tokens is not None:
+                request.num_speculative_tokens = body.num_speculative_tokens
+            return request
+
+        return build
+
+    # -- serving
+
+    async def _serve(self, request: Request, body: CompletionBody | ChatBody, chat: bool):
+        self._check(body, chat)
+        if chat:
+            assert isinstance(body, ChatBody)
+            top = body.top_logprobs or 0
+            wants_logprobs = body.logprobs
+            if top and not body.logprobs:
+                raise OpenAIError(400, "top_logprobs: expected logprobs: true with it", "top_logprobs")
+        else:
+            assert isinstance(body, CompletionBody)
+            top = body.logprobs or 0
+            wants_logprobs = body.logprobs is not None
+        # The chosen token's logprob needs the engine to report at least one alternative.
+        engine_logprobs = max(top, 1) if wants_logprobs else 0
+        rid = uuid.uuid4().hex
+        shape = _Shape(
+            chat=chat,
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+            model=self.model,
+            created=int(time.time()),
+            logprobs=_Logprobs(self.texts, top) if wants_logprobs else None,
+            include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
+        )
+        run = _Run(self, self._generate_request(body, chat, rid, engine_logprobs), asyncio.get_running_loop())
+        headers = {"x-request-id": rid}
+        try:
+            if not body.stream:
+                responses = await _until_disconnect(request, run, run.collect())
+                if not responses or not responses[-1].finished:
+                    raise OpenAIError(500, f"request {rid!r}: the generation ended without a final response")
+                usage = _usage(run.prompt_tokens, sum(len(r.token_ids) for r in responses))
+                return JSONResponse(shape.whole(responses, usage), headers=headers)
+            first = await _until_disconnect(request, run, run.next())
+        except RequestFailed as err:
+            run.cancel()
+            raise from_request_failed(err, chat) from err
+        except _ClientGone:
+            return Response(status_code=499)
+        except BaseException:
+            run.cancel()
+            raise
+        if first is None:
+            raise OpenAIError(500, f"request {rid!r}: the generation ended without a response")
+        return StreamingResponse(
+            self._events(run, first, shape, chat),
+            media_type="text/event-stream",
+            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _events(self, run: _Run, first, shape: _Shape, chat: bool) -> AsyncIterator[str]:
+        """The SSE stream; a client that disconnects cancels the stream's task, and so the run."""
+        try:
+            if chat:
+                yield _sse(shape.role_chunk())
+            response, generated, stats = first, 0, {}
+            while response is not None:
+                generated += len(response.token_ids)
+                yield _sse(shape.chunk(response))
+                if response.finished:
+                    stats = stats_json(response.stats)
+                    break
+                response = await run.next()
+            if shape.include_usage:
+                yield _sse(shape.usage_chunk(_usage(run.prompt_tokens, generated), stats))
+            yield _sse("[DONE]")
+        except RequestFailed as err:
+            yield _sse(from_request_failed(err, chat).body())
+        except Exception as err:
+            log.exception("request %s: stream failed", shape.id)
+            yield _sse(OpenAIError(500, f"{type(err).__name__}: {err}").body())
+        finally:
+            run.cancel()  # a no-op when the generation ended by itself
+
+
+class _ApiKey:
+    """`Authorization: Bearer <key>` on /v1/* (pure ASGI: streams and disconnects pass untouched)."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "invalid API key" if given else "missing API key: send Authorization: Bearer <key>"
+                await OpenAIError(401, message, None, "invalid_api_key").response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------------------- the server thread
+
+
+class HttpServer:
+    """uvicorn serving the API from a background thread; `stop` drains and joins it."""
+
+    def __init__(self, api: OpenAIApi, host: str, port: int, grace_s: float) -> None:
+        self.api = api
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        try:
+            self.socket = socket.create_server((host, port), family=family)
+        except OSError as err:
+            raise OSError(f"cannot listen on {host}:{port} for HTTP (is another node there?): {err}") from err
+        self.port = self.socket.getsockname()[1]
+        self.grace_s = grace_s
+        config = uvicorn.Config(
+            api.app,
+            log_config=None,  # the node's logging, not uvicorn's
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=max(1, round(grace_s)),
+        )
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name="openai-http-server", daemon=True)
+        self._failed: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self.server.run(sockets=[self.socket])
+        except BaseException as err:
+            self._failed = err
+            log.exception("HTTP server failed")
+
+    def start(self, timeout: float = 10.0) -> None:
+        self._thread.start()
+        end = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > end:
+                raise RuntimeError(f"HTTP server did not start: {self._failed!r}")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(self.grace_s + 5)
+        self.api.close()
+        self.socket.close()
+
+
+def start_http(
+    service: GenerationService,
+    host: str,
+    port: int,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_streams: int = 160,
+    grace_s: float = 5.0,
+) -> HttpServer:
+    api = OpenAIApi(service, ApiConfig(served_model_name, api_key, max_streams))
+    server = HttpServer(api, host, port, grace_s)
+    try:
+        server.start()
+    except BaseException:
+        api.close()
+        server.socket.close()
+        raise
+    return server
+
+
+__all__ = ["ApiConfig", "HttpCall", "HttpServer", "OpenAIApi", "OpenAIError", "start_http"]
