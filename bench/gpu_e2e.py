@@ -177,7 +177,7 @@ def engine_sections(args, env, rows, tables) -> None:
     table = []
     for shape in shapes:
         model = random_model(shape, device, dtype)
-        lm = paged(model, 64 * (args.context + 16))
+        lm = paged(model, 64 * (args.context + 48) + 64)
         floor = weight_bytes(model) / read_bw
         hf = transformers_generate(shape, device, dtype, 32 if not args.smoke else 4) if "hf" in args.only else None
         base = None

@@ -9,6 +9,7 @@ slots, `import_state` scatters into freshly reserved blocks): no per-request cac
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +26,7 @@ BLOCK_SIZE = 16  # tokens per block: vLLM's default; small enough that waste per
 MAX_GRAPH_ROWS = 256
 MAX_GRAPH_QUERIES = 16
 MIN_GRAPH_WIDTH = 256
+_CAPTURE_LOCK = threading.Lock()
 
 
 class _Graph:
@@ -169,13 +171,15 @@ class PagedLlamaLM:
                 seq_lens=graph.seq_lens,
             )
 
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            forward()  # warm-up: kernels chosen and workspaces allocated outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        with torch.cuda.graph(graph.graph, pool=self._graph_pool):
-            graph.logits = forward()
+        with _CAPTURE_LOCK:  # one capture at a time per process (two nodes in a test share one)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                forward()  # warm-up: kernels chosen and workspaces allocated outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            # thread_local: other threads (the other node, gRPC) may use the GPU meanwhile
+            with torch.cuda.graph(graph.graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+                graph.logits = forward()
         return graph
 
     def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, State]:
