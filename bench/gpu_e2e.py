@@ -556,7 +556,7 @@ def serve_with_law(pair: ModelPair, device: str, law):
     from prefill_node.server import run_server as run_prefill
 
     stack = contextlib.ExitStack()
-    spec = ModelSpec(device=device, kv_cache_bytes=None if device != "cpu" else 256 << 20)
+    spec = ModelSpec(device=device, kv_cache_bytes=(4 << 30) if device != "cpu" else 256 << 20)
     decode = stack.enter_context(
         run_decode(
             DecodeNodeConfig(

@@ -265,9 +265,9 @@ class DecodeEngine:
             result = self.verifier.verify(
                 draft_ids, probs, target_logits, [r.input.params for r in batch], [r.rng for r in batch]
             )
-            for row, request in enumerate(batch):
-                emitted = result.emitted(row)
-                self._record(request, k, len(emitted), bool(result.stats.do_sample[row]))
+            do_sample = result.stats.do_sample.cpu().tolist()
+            for row, (request, emitted) in enumerate(zip(batch, result.emitted_rows(), strict=True)):
+                self._record(request, k, len(emitted), do_sample[row])
                 top = request.input.logprobs
                 logprobs = token_logprobs(target_logits[row, : len(emitted)], torch.tensor(emitted), top) if top else []
                 self._advance(request, emitted, old_len[id(request)], logprobs)
@@ -314,10 +314,10 @@ class DecodeEngine:
             logits = draft.extend_batch([requests[i].draft_state for i in rows], [feeds[i] for i in rows])
             last = torch.stack([row[-1] for row in logits]).to(device)  # [R, Vd]
             sample = propose(self.config.draft_law, last, params.select(rows), uniforms[rows, step])
-            for j, i in enumerate(rows):
-                token = int(sample.token_ids[j])
-                ids[i].append(int(self.d2t.d2t[token]))
-                feeds[i] = [int(self.d2t.d2t[token])]
+            mapped = self.d2t.d2t[sample.token_ids].cpu().tolist()  # d2t on the device, one transfer per step
+            for j, (i, token) in enumerate(zip(rows, mapped, strict=True)):
+                ids[i].append(token)
+                feeds[i] = [token]
                 if sample.probs is not None:
                     probs[i].append(sample.probs[j])
         return [

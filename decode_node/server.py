@@ -126,6 +126,7 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
                     return
                 if event is None:
                     continue
+                event = _coalesce(event, handle.events)
                 if event.error:
                     outcome[0] = "INTERNAL"
                     context.abort(grpc.StatusCode.INTERNAL, f"request {request.request_id!r}: {event.error}")
@@ -144,6 +145,25 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
                     return
         finally:
             self.engine.cancel(handle)  # every way out (return, abort, a closed stream) frees the slot
+
+
+def _coalesce(event: Event, events: queue.Queue) -> Event:
+    """The event and every later one already queued, as one: a stream that fell behind the
+    engine catches up in one message instead of one per step."""
+    while not (event.finished or event.error):
+        try:
+            later: Event = events.get_nowait()
+        except queue.Empty:
+            break
+        event = Event(
+            event.tokens + later.tokens,
+            later.finished,
+            later.finish_reason,
+            later.stats,
+            later.error,
+            event.logprobs + later.logprobs,
+        )
+    return event
 
 
 def _response(request_id: str, event: Event) -> pdspec_pb2.GenerateResponse:

@@ -148,36 +148,49 @@ def batch_meta(
     rows: int | None = None,
     width: int | None = None,
 ) -> BatchMeta:
-    """Host metadata for new tokens `new_lengths[r]` at positions seqs[r].length.. ."""
-    past = [s.length for s in seqs]
-    live = [p + n for p, n in zip(past, new_lengths, strict=True)]
-    rows = rows or len(seqs)
-    width = width or max(live)
+    """Host metadata for new tokens `new_lengths[r]` at positions seqs[r].length.. .
+
+    Vectorized over rows: one padded block-table tensor per batch, every slot computed
+    from it by tensor arithmetic (no per-row tensor work)."""
+    real = len(seqs)
+    rows = rows or real
+    bs, scratch = pool.block_size, pool.scratch_slot
+    past = torch.tensor([s.length for s in seqs] + [0] * (rows - real), dtype=torch.int64)  # [R]
+    new = torch.tensor(list(new_lengths) + [max(new_lengths)] * (rows - real), dtype=torch.int64)  # [R]
+    live = past + new
+    live[real:] = 0
+    width = width or int(live.max())
     queries = max(new_lengths)
-    scratch = pool.scratch_slot
-    new_slots = [pool.slots(s, p, p + n) for s, p, n in zip(seqs, past, new_lengths, strict=True)]
-    pad_tokens = rows * queries - sum(new_lengths) if rows > len(seqs) else 0
-    new_slots.append(torch.full((pad_tokens,), scratch, dtype=torch.int64))
-    key_slots = torch.full((rows, width), scratch, dtype=torch.int64)
-    query_pos = torch.full((rows, queries), -1, dtype=torch.int64)  # -1: padding query
-    query_index = torch.zeros(rows, queries, dtype=torch.int64)
-    start = 0
-    for r, (seq, p, n, total) in enumerate(zip(seqs, past, new_lengths, live, strict=True)):
-        key_slots[r, :total] = pool.slots(seq, 0, total)
-        query_pos[r, :n] = torch.arange(p, p + n)
-        query_index[r, :n] = torch.arange(start, start + n)
-        start += n
-    key_pos = torch.arange(width)[None, None, :]  # [1, 1, W]
-    lives = torch.tensor(live + [0] * (rows - len(seqs)))
-    allowed = (key_pos <= query_pos[:, :, None]) & (key_pos < lives[:, None, None])
+    longest = max(len(s.blocks) for s in seqs)
+    tables = torch.tensor([s.blocks + [0] * (longest - len(s.blocks)) for s in seqs], dtype=torch.int64)  # [real, B]
+    tables = torch.cat([tables, torch.zeros(rows - real, longest, dtype=torch.int64)])  # padding rows: scratch
+
+    def slots_of(row: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        block = (pos // bs).clamp(max=longest - 1)
+        return tables[row, block] * bs + pos % bs
+
+    key_pos = torch.arange(width)  # [W]
+    key_slots = slots_of(torch.arange(rows)[:, None], key_pos[None, :])  # [R, W]
+    key_slots = torch.where(key_pos[None, :] < live[:, None], key_slots, scratch)
+    offset = torch.arange(queries)[None, :]  # [1, Q]
+    query_pos = torch.where(offset < new[:, None], past[:, None] + offset, -1)  # [R, Q]; -1 = padding
+    query_pos[real:] = -1
+    valid = query_pos >= 0
+    new_slots = torch.where(valid, slots_of(torch.arange(rows)[:, None], query_pos.clamp(min=0)), scratch)
+    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < live[:, None, None])
     if sliding_window is not None:
-        allowed &= query_pos[:, :, None] - key_pos < sliding_window
-    allowed |= (query_pos < 0)[:, :, None]  # padding queries attend to everything: no NaN rows
-    flat = torch.cat([torch.arange(n) + r * queries for r, n in enumerate(new_lengths)])
-    if pad_tokens:  # padding rows (graph buckets): their tokens follow, in padded order
+        allowed &= query_pos[:, :, None] - key_pos[None, None, :] < sliding_window
+    allowed |= ~valid[:, :, None]  # padding queries attend to everything: no NaN rows
+    if rows > real:  # a graph bucket: uniform rows, tokens in padded (row-major) order
         flat = torch.arange(rows * queries)
-        query_index = torch.arange(rows * queries).view(rows, queries)
-    return BatchMeta(torch.cat(new_slots), key_slots, allowed[:, None], query_index, flat)
+        query_index = flat.view(rows, queries)
+        new_slots = new_slots.view(-1)
+    else:
+        flat = valid.view(-1).nonzero().view(-1)  # padded (r, i) of each flattened token
+        starts = torch.cumsum(new, 0) - new  # [R] first flattened token of each row
+        query_index = torch.where(valid, starts[:, None] + offset, 0)
+        new_slots = new_slots[valid]
+    return BatchMeta(new_slots, key_slots, allowed[:, None], query_index, flat)
 
 
 @dataclass

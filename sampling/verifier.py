@@ -36,6 +36,12 @@ class VerifyResult:
     accepted_token_num: torch.Tensor  # [B] int32, emitted tokens per row (1..K+1)
     stats: StepStats
 
+    def emitted_rows(self) -> list[list[int]]:
+        """Every row's emitted tokens, in order: one host transfer for the whole batch."""
+        tokens = self.output_token_ids.cpu().tolist()
+        counts = self.accepted_token_num.cpu().tolist()
+        return [row[:n] for row, n in zip(tokens, counts, strict=True)]
+
     def emitted(self, row: int) -> list[int]:
         """The tokens row `row` emits this step, in order."""
         return self.output_token_ids[row, : int(self.accepted_token_num[row])].tolist()
