@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.proposer import draft_tokens
 from models.base import State
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from pdspec.stopping import finish_reason
 from protos.validation import DecodeInput
-from sampling import RequestRng, SamplingTensors, Verifier, propose
+from sampling import RequestRng, SamplingTensors, Verifier
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
 
@@ -292,38 +293,23 @@ class DecodeEngine:
         return out
 
     def _draft(self, requests: list[Request]) -> list[_Proposal]:
-        """K tokens per request from the draft model, batched over requests, in the law
-        the node is configured with; K draft uniforms per request and step."""
-        draft = self.pair.draft
-        k_max = max(r.input.num_speculative_tokens for r in requests)
+        """K drafts per request from the local draft (engine/proposer.py), in target space."""
+        ks = [r.input.num_speculative_tokens for r in requests]
         device = self.config.device
-        params = SamplingTensors.from_params([r.input.params for r in requests], device)
         uniforms = torch.stack(
-            [  # [R, K_max]: each request's K uniforms, zero padded
-                torch.nn.functional.pad(
-                    r.rng.uniforms(r.input.num_speculative_tokens), (0, k_max - r.input.num_speculative_tokens)
-                )
-                for r in requests
-            ]
-        ).to(device)
-        feeds = [r.history[len(r.draft_state.tokens) :] for r in requests]  # catch up, ends with `last`
-        ids: list[list[int]] = [[] for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        for step in range(k_max):
-            rows = [i for i, r in enumerate(requests) if step < r.input.num_speculative_tokens]
-            logits = draft.extend_batch([requests[i].draft_state for i in rows], [feeds[i] for i in rows])
-            last = torch.stack([row[-1] for row in logits]).to(device)  # [R, Vd]
-            sample = propose(self.config.draft_law, last, params.select(rows), uniforms[rows, step])
-            mapped = self.d2t.d2t[sample.token_ids].cpu().tolist()  # d2t on the device, one transfer per step
-            for j, (i, token) in enumerate(zip(rows, mapped, strict=True)):
-                ids[i].append(token)
-                feeds[i] = [token]
-                if sample.probs is not None:
-                    probs[i].append(sample.probs[j])
-        return [
-            _Proposal(ids[i], self.d2t.map_probs(torch.stack(probs[i]).to(self.config.device)) if probs[i] else None)
-            for i in range(len(requests))
-        ]
+            [torch.nn.functional.pad(r.rng.uniforms(k), (0, max(ks) - k)) for r, k in zip(requests, ks, strict=True)]
+        ).to(device)  # [R, K_max]: each request's K uniforms, zero padded
+        drafted = draft_tokens(
+            self.pair.draft,
+            self.d2t,
+            self.config.draft_law,
+            [r.draft_state for r in requests],
+            [r.history[len(r.draft_state.tokens) :] for r in requests],  # catch up, ends with `last`
+            ks,
+            SamplingTensors.from_params([r.input.params for r in requests], device),
+            uniforms,
+        )
+        return [_Proposal(d.target_ids, None if d.probs is None else self.d2t.map_probs(d.probs)) for d in drafted]
 
     def _advance(self, request: Request, emitted: Sequence[int], old_len: int, logprobs: list[TokenLogprob]) -> None:
         accepted = len(emitted) - 1

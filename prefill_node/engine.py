@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.proposer import draft_tokens
 from models.pair import ModelPair
 from pdspec.stopping import finish_reason
 from protos import pdspec_pb2
@@ -28,7 +29,7 @@ from protos.validation import (
     check_request_id,
     check_sampling,
 )
-from sampling import RequestRng, SamplingParams, SamplingTensors, propose, sample_target
+from sampling import RequestRng, SamplingParams, SamplingTensors, sample_target
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
 
@@ -80,6 +81,7 @@ class PrefillEngine:
         self.contract = pair.contract()
         self.fingerprint = self.contract.fingerprint()
         self.max_speculative_tokens = config.max_speculative_tokens
+        self.d2t = pair.d2t.to(config.device)
         self._lock = threading.Lock()  # model calls are serialized (models need not be thread-safe)
 
     def check(self, request: pdspec_pb2.GenerateRequest) -> Checked | list[Violation]:
@@ -163,23 +165,16 @@ class PrefillEngine:
         self, ids: list[int], first: int, k: int, rows: SamplingTensors, rng: RequestRng
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K draft-space tokens and, for a stochastic law, their distributions [K, Vd]."""
+        uniforms = rng.uniforms(k).to(self.config.device).view(1, k)  # drawn for either law
+        if not k:
+            return torch.zeros(0, dtype=torch.int64), None
         draft = self.pair.draft
-        uniforms = rng.uniforms(k).to(self.config.device)  # drawn for either law: the stream never depends on it
-        tokens, probs = [], []
-        if k:
-            _, state = draft.prefill(ids)
-            try:
-                draft.reserve(state, len(ids) + k)
-                feed = [first]
-                for i in range(k):
-                    logits = draft.extend(state, feed)[-1:].to(self.config.device)  # [1, Vd]
-                    sample = propose(self.config.draft_law, logits, rows, uniforms[i : i + 1])
-                    token = int(sample.token_ids[0])
-                    tokens.append(token)
-                    if sample.probs is not None:
-                        probs.append(sample.probs[0])
-                    feed = [int(self.pair.d2t.d2t[token])]
-            finally:
-                draft.release(state)
-        draft_ids = torch.tensor(tokens, dtype=torch.int64)
-        return draft_ids, (torch.stack(probs) if probs else None)
+        _, state = draft.prefill(ids)
+        try:
+            draft.reserve(state, len(ids) + k)
+            (drafted,) = draft_tokens(
+                draft, self.pair.d2t, self.config.draft_law, [state], [[first]], [k], rows, uniforms
+            )
+        finally:
+            draft.release(state)
+        return torch.tensor(drafted.draft_ids, dtype=torch.int64), drafted.probs
