@@ -329,3 +329,48 @@ def test_frozen_decode_node(pair):
         decode.send_signal(signal.SIGCONT)
         decode.kill()
         decode.wait()
+
+
+def test_prefill_mtls_covers_grpc_and_http(pair, certs):
+    a, b = certs["a"], certs["b"]
+    mine = {"tls_ca": a / "ca.pem", "tls_cert": a / "client.pem", "tls_key": a / "client-key.pem"}
+    tls = ServerTls(a / "prefill.pem", a / "prefill-key.pem", a / "ca.pem")
+    with cluster(pair, tls=tls, http_port=0, client_options=mine) as (client, prefill, _):
+        assert len(client.generate("import ", max_new_tokens=3).token_ids) == 3
+        for other in (
+            {"tls_ca": a / "ca.pem"},
+            {**mine, "tls_cert": b / "client.pem", "tls_key": b / "client-key.pem"},
+        ):
+            with Client(f"127.0.0.1:{prefill.port}", **other) as refused, pytest.raises(grpc.RpcError) as err:
+                refused.info(timeout=3)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        url = f"https://127.0.0.1:{prefill.http_port}/health"
+        https = ssl.create_default_context(cafile=str(a / "ca.pem"))
+        with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake fails
+            httpx.get(url, verify=https).raise_for_status()
+        https.load_cert_chain(a / "client.pem", a / "client-key.pem")
+        assert httpx.get(url, verify=https).status_code == 200
+
+
+def test_security_flags_parse_into_the_node_configs(tmp_path, monkeypatch):
+    from decode_node.__main__ import parse_args as decode_args
+    from prefill_node.__main__ import parse_args as prefill_args
+
+    key = tmp_path / "key"
+    key.write_text("from-a-file\n")
+    monkeypatch.setenv("PDSPEC_PREFILL_DECODE_TLS_CA", "/c/ca.pem")
+    argv = "--tls-cert /c/p.pem --tls-key /c/p-key.pem --decode-tls-cert /c/client.pem"
+    argv += " --decode-tls-key /c/client-key.pem --decode-tls-server-name decode --decode-stall-seconds 1.5"
+    config = prefill_args([*argv.split(), "--api-key-file", str(key)])
+    assert config.tls == ServerTls(Path("/c/p.pem"), Path("/c/p-key.pem")) and config.api_key == "from-a-file"
+    assert config.decode_tls == ClientTls(Path("/c/ca.pem"), Path("/c/client.pem"), Path("/c/client-key.pem"), "decode")
+    assert config.decode_stall_s == 1.5 and prefill_args([]).decode_stall_s == 3.0
+    monkeypatch.delenv("PDSPEC_PREFILL_DECODE_TLS_CA")
+    assert prefill_args([]).tls is None and prefill_args([]).decode_tls is None
+    decode = decode_args(["--tls-cert", "d.pem", "--tls-key", "d-key.pem", "--tls-ca", "ca.pem"])
+    assert decode.tls.mutual and decode.tls.ca == Path("ca.pem")
+    for bad in (["--tls-cert", "d.pem"], ["--tls-ca", "ca.pem"]):
+        with pytest.raises(SystemExit):
+            decode_args(bad)
+    with pytest.raises(SystemExit):
+        prefill_args(["--decode-tls-cert", "c.pem"])
