@@ -11,7 +11,7 @@ from pdspec.serving import serve_until_signal
 from sampling.proposal import DraftLaw
 
 
-def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
+def build_parser():
     parser = node_parser("decode", 50052, 9402, "pdspec decode node")
     parser.add_flag("--max-batch", default=32, type=int, help="requests verified together per step")
     parser.add_flag("--max-queue", default=128, type=int, help="requests waiting for a slot (then RESOURCE_EXHAUSTED)")
@@ -21,6 +21,11 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
         choices=["auto", "torch", "cupy"],
         help="rejection sampler (auto: cupy on a GPU)",
     )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     engine = DecodeConfig(
         max_speculative_tokens=args.max_speculative_tokens,
@@ -31,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
         sampler_backend=args.sampler_backend,
         device=args.device,
     )
-    return DecodeNodeConfig(engine=engine, limits=request_limits(args), **node_options(args))
+    return DecodeNodeConfig(engine=engine, limits=request_limits(args), **node_options(args, parser))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,7 @@ from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from pdspec.modelspec import ModelSpec, backends, model_dtype
 from pdspec.serving import NodeShell
+from pdspec.tls import ServerTls, ServiceGuard
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.contract import max_message_bytes
 from protos.proposal import ProposalEncoding
@@ -70,6 +71,7 @@ class DecodeNodeConfig:
     max_message_bytes: int | None = None  # None: derived from the contract
     limits: RequestLimits = field(default_factory=RequestLimits)  # max_prompt_tokens sizes the message limit
     grace_s: float = 5.0
+    tls: ServerTls | None = None  # TLS; with its `ca`, mTLS: only clients that CA signed
 
 
 class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
@@ -247,6 +249,8 @@ def run_server(
         ],
         metrics=metrics,
         metrics_port=config.metrics_port,
+        tls=config.tls,
+        interceptors=[ServiceGuard(SERVICE, lambda code: metrics.finish_request(time.monotonic(), code))],
     )
     engine = engine_factory(pair, config.engine, metrics)
     receiver = Receiver(contract, config.engine.max_speculative_tokens, pair.d2t, config.limits)
@@ -267,7 +271,13 @@ def run_server(
     engine.start()
     shell.start()
     shell.set_serving(True)
-    log.info("decode node serving on %s:%d (message limit %d bytes)", config.host, shell.port, limit)
+    log.info(
+        "decode node serving on %s:%d (%s, message limit %d bytes)",
+        config.host,
+        shell.port,
+        "plaintext" if config.tls is None else "mTLS" if config.tls.mutual else "TLS",
+        limit,
+    )
     try:
         yield RunningDecodeNode(shell.server, shell.port, metrics, shell.metrics_port, engine, shell)
     finally:

@@ -11,6 +11,7 @@ from google.protobuf import json_format
 
 from pdspec.client import Client, decode_info
 from pdspec.config import EnvArgumentParser
+from pdspec.tls import ClientTls, add_client_flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             ("--timeout", {"default": 60.0, "type": float, "help": "deadline in seconds"}),
         ],
     )
+    _security_flags(gen)
     gen.add_argument("prompt", help="prompt text")
 
     info = commands.add_parser("info", help="show both nodes' GetInfo")
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             ("--decode-addr", {"default": "localhost:50052", "help": "decode node"}),
         ],
     )
+    _security_flags(info)
     commands.add_parser("demo", help="rejection-sampling demo (no servers needed)", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
@@ -55,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        args.tls = ClientTls.from_args(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    except ValueError as err:
+        parser.error(str(err))
     try:
         return _generate(args) if args.command == "generate" else _info(args)
     except grpc.RpcError as err:
@@ -67,9 +74,26 @@ def _flags(sub: EnvArgumentParser, flags) -> None:
         sub.add_flag(flag, **kwargs)
 
 
+def _security_flags(sub: EnvArgumentParser) -> None:
+    add_client_flags(sub, sub.add_flag, what="a node")
+    sub.add_flag("--api-key", default=None, help="the prefill node's API key (sent as Authorization: Bearer KEY)")
+
+
+def _client(args) -> Client:
+    tls = args.tls or ClientTls()
+    return Client(
+        args.prefill_addr,
+        tls_ca=tls.ca,
+        tls_cert=tls.cert,
+        tls_key=tls.key,
+        tls_server_name=tls.server_name,
+        api_key=args.api_key,
+    )
+
+
 def _generate(args) -> int:
     started = time.monotonic()
-    with Client(args.prefill_addr) as client:
+    with _client(args) as client:
         tokens, stats = 0, None
         for response in client.stream(
             args.prompt,
@@ -100,8 +124,9 @@ def _generate(args) -> int:
 
 
 def _info(args) -> int:
-    with Client(args.prefill_addr) as client:
-        for name, info in (("prefill", client.info()), ("decode", decode_info(args.decode_addr))):
+    with _client(args) as client:
+        infos = (("prefill", client.info()), ("decode", decode_info(args.decode_addr, tls=args.tls)))
+        for name, info in infos:
             shown = json_format.MessageToDict(info, preserving_proto_field_name=True)
             shown["draft_to_target"] = f"[{len(info.draft_to_target)} ids]"
             print(f"{name}: {shown}")

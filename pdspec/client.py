@@ -5,9 +5,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import grpc
-
+from pdspec.tls import ClientTls, channel
 from protos import pdspec_pb2, pdspec_pb2_grpc
 
 
@@ -20,9 +20,25 @@ class Generation:
 
 
 class Client:
-    def __init__(self, prefill_addr: str = "localhost:50051", max_message_bytes: int = 64 << 20) -> None:
+    """`tls_ca` (or a client certificate) turns TLS on: `tls_ca` verifies the node (None with a
+    client certificate: the system's roots), `tls_cert`/`tls_key` are the client's own for an
+    mTLS node, `tls_server_name` the name to check the node's certificate against; `api_key`
+    is sent as `authorization: Bearer <key>` on every call."""
+
+    def __init__(
+        self,
+        prefill_addr: str = "localhost:50051",
+        max_message_bytes: int = 64 << 20,
+        *,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        tls_server_name: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
         options = [("grpc.max_receive_message_length", max_message_bytes)]
-        self.channel = grpc.insecure_channel(prefill_addr, options=options)
+        tls = ClientTls.from_args(tls_ca, tls_cert, tls_key, tls_server_name)
+        self.channel = channel(prefill_addr, tls, options, api_key)
         self.stub = pdspec_pb2_grpc.PrefillServiceStub(self.channel)
 
     def close(self) -> None:
@@ -84,6 +100,6 @@ class Client:
         return self.stub.GetInfo(pdspec_pb2.InfoRequest(), timeout=timeout)
 
 
-def decode_info(decode_addr: str, timeout: float = 5.0) -> pdspec_pb2.NodeInfo:
-    with grpc.insecure_channel(decode_addr) as channel:
-        return pdspec_pb2_grpc.DecodeServiceStub(channel).GetInfo(pdspec_pb2.InfoRequest(), timeout=timeout)
+def decode_info(decode_addr: str, timeout: float = 5.0, tls: ClientTls | None = None) -> pdspec_pb2.NodeInfo:
+    with channel(decode_addr, tls) as ch:
+        return pdspec_pb2_grpc.DecodeServiceStub(ch).GetInfo(pdspec_pb2.InfoRequest(), timeout=timeout)

@@ -73,6 +73,11 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
     parser.add_flag("--max-prompt-tokens", default=8192, type=int, help="longest prompt a request may send")
     parser.add_flag("--max-message-bytes", default=None, type=int, help="gRPC message limit (default: derived)")
     parser.add_flag("--grace-seconds", default=5.0, type=float, help="drain time on shutdown")
+    parser.add_flag("--tls-cert", default=None, type=Path, help="serve TLS with this certificate chain (PEM)")
+    parser.add_flag("--tls-key", default=None, type=Path, help="the private key (PEM) of --tls-cert")
+    parser.add_flag(
+        "--tls-ca", default=None, type=Path, help="mTLS: require client certificates signed by this CA (PEM)"
+    )
     return parser
 
 
@@ -82,9 +87,17 @@ def request_limits(args: argparse.Namespace):
     return RequestLimits(max_new_tokens=args.max_new_tokens_limit, max_prompt_tokens=args.max_prompt_tokens)
 
 
-def node_options(args: argparse.Namespace) -> dict:
-    """The node-config fields that come from the shared flags."""
+def node_options(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> dict:
+    """The node-config fields that come from the shared flags (`parser` reports bad ones)."""
     from pdspec.modelspec import ModelSpec
+    from pdspec.tls import ServerTls
+
+    try:
+        tls = ServerTls.from_args(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as err:
+        if parser is None:
+            raise
+        parser.error(str(err))
 
     return {
         "host": args.host,
@@ -102,4 +115,5 @@ def node_options(args: argparse.Namespace) -> dict:
         ),
         "max_message_bytes": args.max_message_bytes,
         "grace_s": args.grace_seconds,
+        "tls": tls,
     }

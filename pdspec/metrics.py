@@ -6,6 +6,11 @@ one process (tests) and each /metrics page shows only its node's series.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
 import time
 from collections.abc import Iterable
 
@@ -18,8 +23,10 @@ from prometheus_client import (
     Gauge,
     Histogram,
     Info,
-    start_http_server,
 )
+from prometheus_client.exposition import choose_encoder
+
+log = logging.getLogger(__name__)
 
 DO_SAMPLE = ("false", "true")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -158,7 +165,90 @@ class NodeMetrics:
         self.requests.labels(self.node, code).inc()
         self.request_latency.labels(self.node).observe(time.monotonic() - started)
 
-    def serve(self, port: int, host: str = "0.0.0.0"):
-        """Expose /metrics on `port` (0 = any free port); returns the HTTP server."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server
+    def serve(self, port: int, host: str = "0.0.0.0") -> MetricsServer:
+        """Expose /metrics on `host`:`port` (0 = any free port); returns the running server."""
+        return MetricsServer(self.registry, host, port)
+
+
+class MetricsServer:
+    """/metrics from one thread whatever the number of connections (prometheus_client's
+    start_http_server spawns a thread per connection: idle connections pile up threads).
+
+    An asyncio loop in one daemon thread: idle connections cost a socket, not a thread; a
+    request head must arrive within `head_timeout_s` and fit in 8 KiB, at most
+    `max_connections` are open at once (more are closed at once), every response closes its
+    connection. GET or HEAD of / or /metrics (any query); the exposition format follows the
+    Accept header (Prometheus text or OpenMetrics)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        host: str,
+        port: int,
+        *,
+        max_connections: int = 256,
+        head_timeout_s: float = 5.0,
+    ) -> None:
+        self.registry = registry
+        self.max_connections, self.head_timeout_s = max_connections, head_timeout_s
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        self.socket = socket.create_server((host, port), family=family)
+        self.server_port = self.socket.getsockname()[1]
+        self.open = 0
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-http", daemon=True)
+        self._thread.start()
+        self._started.wait()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, sock=self.socket, limit=8192))
+        self._started.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            server.close()
+            self._loop.run_until_complete(server.wait_closed())
+            self._loop.close()
+
+    def shutdown(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.open += 1
+        try:
+            if self.open <= self.max_connections:
+                await self._respond(reader, writer)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+            pass  # a client that left, stalled or sent junk: nothing to answer
+        except Exception:
+            log.exception("/metrics request failed")
+        finally:
+            self.open -= 1
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _respond(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.head_timeout_s)
+        lines = head.decode("latin-1").split("\r\n")
+        method, target, _version = lines[0].split(" ", 2)
+        headers = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
+        accept = next((v.strip() for k, v in headers.items() if k.strip().lower() == "accept"), "")
+        path = target.split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET /metrics\n"
+        elif path not in ("/", "/metrics"):
+            status, ctype, body = "404 Not Found", "text/plain", b"GET /metrics\n"
+        else:
+            encoder, ctype = choose_encoder(accept)
+            status, body = "200 OK", encoder(self.registry)
+        writer.write(
+            f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n".encode()
+        )
+        if method != "HEAD":
+            writer.write(body)
+        await writer.drain()

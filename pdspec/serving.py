@@ -21,7 +21,8 @@ class NodeShell:
     reflection under grpc.reflection.v1 and v1alpha, message limits, a port that fails to
     bind when in use, a worker pool with headroom above the engine's admission limit (so
     pdspec's own limits answer RESOURCE_EXHAUSTED, and health checks and GetInfo always
-    find a thread), and the node's /metrics endpoint."""
+    find a thread), and the node's /metrics endpoint. `tls` serves TLS (mTLS with its CA);
+    `interceptors` see every call (pdspec.tls.ServiceGuard: API keys, unparseable requests)."""
 
     def __init__(
         self,
@@ -33,6 +34,8 @@ class NodeShell:
         options: Sequence[tuple[str, object]] = (),
         metrics=None,
         metrics_port: int | None = None,
+        tls=None,
+        interceptors: Sequence = (),
     ) -> None:
         from concurrent import futures
 
@@ -43,7 +46,9 @@ class NodeShell:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(streams + HEADROOM_THREADS, thread_name_prefix=service.rsplit(".", 1)[-1]),
             options=[("grpc.so_reuseport", 0), *options],
+            interceptors=list(interceptors),
         )
+        self.tls = tls
         self.health = health.HealthServicer()
         self.set_serving(False)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -65,7 +70,12 @@ class NodeShell:
 
         enable_reflection((self.service, health.SERVICE_NAME), self.server)
         try:
-            self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+            host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+            address = f"{host}:{self.requested_port}"
+            if self.tls is None:
+                self.port = self.server.add_insecure_port(address)
+            else:
+                self.port = self.server.add_secure_port(address, self.tls.credentials())
         except RuntimeError as err:  # grpcio raises when the address cannot be bound
             raise OSError(f"cannot listen on {self.host}:{self.requested_port} (is another node there?)") from err
         if self.metrics is not None and self.metrics_port_requested is not None:

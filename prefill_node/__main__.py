@@ -7,13 +7,14 @@ from pathlib import Path
 
 from pdspec.config import node_options, node_parser, request_limits
 from pdspec.serving import serve_until_signal
+from pdspec.tls import ClientTls, add_client_flags
 from prefill_node.engine import PrefillConfig
 from prefill_node.server import PrefillNodeConfig, run_server
 from protos.proposal import ProposalEncoding
 from sampling.proposal import DraftLaw
 
 
-def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
+def build_parser():
     parser = node_parser("prefill", 50051, 9401, "pdspec prefill node")
     parser.add_flag(
         "--decode-addr",
@@ -44,9 +45,35 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
     parser.add_flag(
         "--served-model-name", default=None, help="model id of the HTTP API (default: the target's contract name)"
     )
-    parser.add_flag("--api-key", default=None, help="require Authorization: Bearer KEY on the HTTP API's /v1/*")
+    parser.add_flag(
+        "--api-key",
+        default=None,
+        help="require Authorization: Bearer KEY on the HTTP API's /v1/* and on PrefillService (gRPC metadata)",
+    )
     parser.add_flag("--api-key-file", default=None, type=Path, help="read the API key from this file instead")
+    add_client_flags(parser, parser.add_flag, "--decode-tls", "the decode node")
+    parser.add_flag(
+        "--decode-stall-seconds",
+        default=3.0,
+        type=float,
+        help="cancel a relayed decode stream silent this long (UNAVAILABLE; 0 = off)",
+    )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        decode_tls = ClientTls.from_args(
+            args.decode_tls_ca,
+            args.decode_tls_cert,
+            args.decode_tls_key,
+            args.decode_tls_server_name,
+            prefix="--decode-tls",
+        )
+    except ValueError as err:
+        parser.error(str(err))
     api_key = args.api_key
     if args.api_key_file is not None:
         if api_key:
@@ -74,7 +101,9 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
         http_port=None if args.http_port < 0 else args.http_port,
         served_model_name=args.served_model_name,
         api_key=api_key or None,
-        **node_options(args),
+        decode_tls=decode_tls,
+        decode_stall_s=args.decode_stall_seconds,
+        **node_options(args, parser),
     )
 
 

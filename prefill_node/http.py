@@ -20,6 +20,7 @@ import hmac
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -761,7 +762,7 @@ class _ApiKey:
 class HttpServer:
     """uvicorn serving the API from a background thread; `stop` drains and joins it."""
 
-    def __init__(self, api: OpenAIApi, host: str, port: int, grace_s: float) -> None:
+    def __init__(self, api: OpenAIApi, host: str, port: int, grace_s: float, tls=None) -> None:
         self.api = api
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         try:
@@ -776,6 +777,7 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=max(1, round(grace_s)),
+            **_ssl_options(tls),
         )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="openai-http-server", daemon=True)
@@ -803,6 +805,16 @@ class HttpServer:
         self.socket.close()
 
 
+def _ssl_options(tls) -> dict:
+    """uvicorn's TLS settings from the node's pdspec.tls.ServerTls (its CA: client certificates required)."""
+    if tls is None:
+        return {}
+    options: dict[str, Any] = {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)}
+    if tls.ca is not None:
+        options.update(ssl_ca_certs=str(tls.ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
+
+
 def start_http(
     service: GenerationService,
     host: str,
@@ -812,9 +824,14 @@ def start_http(
     api_key: str | None = None,
     max_streams: int = 160,
     grace_s: float = 5.0,
+    tls=None,
 ) -> HttpServer:
     api = OpenAIApi(service, ApiConfig(served_model_name, api_key, max_streams))
-    server = HttpServer(api, host, port, grace_s)
+    try:
+        server = HttpServer(api, host, port, grace_s, tls)
+    except BaseException:
+        api.close()
+        raise
     try:
         server.start()
     except BaseException:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -25,19 +26,34 @@ from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from pdspec.modelspec import ModelSpec, backends, model_dtype
 from pdspec.serving import NodeShell
+from pdspec.tls import ClientTls, ServerTls, ServiceGuard, channel
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from prefill_node.service import GenerationService, RequestFailed
+from prefill_node.watchdog import StallWatchdog
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.contract import max_message_bytes
 from protos.status import to_grpc_status
 
 log = logging.getLogger(__name__)
 SERVICE = pdspec_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+# Pings every 2 s, with or without calls and while a stream is open with no data: a peer
+# that stops answering them (frozen, unplugged) loses its connection 2 s later. grpcio
+# 1.85 times out an unanswered ping only by grpc.http2.ping_timeout_ms (default 1 min):
+# the keepalive ping is "cancelled" while another ping (a BDP probe sent after data) is
+# outstanding, so keepalive_timeout_ms alone never fires on an open stream.
 KEEPALIVE = [
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.http2.ping_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+]
+# Reconnect attempts at most ~1 s apart however long the peer was gone (gRPC's default
+# backoff grows to 120 s), each connect given 2 s.
+RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 2000),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 VALIDATED_FIELDS = (
     "request_id",
@@ -69,7 +85,10 @@ class PrefillNodeConfig:
     # Off by default here (tests and embedders pick their ports); the CLI's default is 8000.
     http_port: int | None = None
     served_model_name: str | None = None  # the API's model id (default: the target's name in the contract)
-    api_key: str | None = None  # when set, required as `Authorization: Bearer <key>` on /v1/*
+    api_key: str | None = None  # when set, required as `Authorization: Bearer <key>` on /v1/* and on gRPC
+    tls: ServerTls | None = None  # gRPC and HTTP API over TLS; with its `ca`, mTLS on both
+    decode_tls: ClientTls | None = None  # how to dial the decode node(s): None = plaintext
+    decode_stall_s: float = 3.0  # a relayed decode stream silent this long is cancelled (0 = off)
 
 
 class DecodePeer:
@@ -78,10 +97,15 @@ class DecodePeer:
     def __init__(
         self, config: PrefillNodeConfig, engine: PrefillEngine, on_change: Callable[[bool], None], limit: int
     ) -> None:
-        options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit), *KEEPALIVE]
+        options = [
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            *KEEPALIVE,
+            *RECONNECT,
+        ]
         if config.decode_addr.startswith("dns:"):
             options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})))
-        self.channel = grpc.insecure_channel(config.decode_addr, options=options)
+        self.channel = channel(config.decode_addr, config.decode_tls, options)
         self.stub = pdspec_pb2_grpc.DecodeServiceStub(self.channel)
         self.engine = engine
         self.config = config
@@ -90,19 +114,38 @@ class DecodePeer:
         self.problem = "decode peer not checked yet"
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._connectivity: grpc.ChannelConnectivity | None = None
         self._thread = threading.Thread(target=self._watch, name="decode-peer", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+        self.channel.subscribe(self._on_connectivity)
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
         self._thread.join()
+        self.channel.unsubscribe(self._on_connectivity)
         self.channel.close()
 
     def recheck(self) -> None:
         self._wake.set()
+
+    def suspect(self, problem: str) -> None:
+        """Not compatible until a check says otherwise (a stalled stream, a lost connection):
+        NOT_SERVING now rather than after a GetInfo that may take its whole timeout."""
+        if self.compatible:
+            self._set(False, f"decode peer {self.config.decode_addr}: {problem} (re-checking)")
+        self.recheck()
+
+    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
+        previous, self._connectivity = self._connectivity, state
+        if state is grpc.ChannelConnectivity.READY:
+            if not self.compatible:
+                self.recheck()  # back: check now, not at the next period
+        elif previous is grpc.ChannelConnectivity.READY:
+            self.suspect(f"connection {state.name}")
 
     def _watch(self) -> None:
         while not self._stop.is_set():
@@ -134,12 +177,13 @@ class DecodePeer:
         self._set(True, "")
 
     def _set(self, compatible: bool, problem: str) -> None:
-        if compatible != self.compatible or problem != self.problem:
-            (log.info if compatible else log.warning)("decode peer: %s", problem or "compatible")
-        changed = compatible != self.compatible
-        self.compatible, self.problem = compatible, problem
-        if changed:
-            self.on_change(compatible)
+        with self._lock:
+            if compatible != self.compatible or problem != self.problem:
+                (log.info if compatible else log.warning)("decode peer: %s", problem or "compatible")
+            changed = compatible != self.compatible
+            self.compatible, self.problem = compatible, problem
+            if changed:
+                self.on_change(compatible)
 
 
 def incompatibility(info: pdspec_pb2.NodeInfo, engine: PrefillEngine) -> str:
@@ -248,9 +292,14 @@ def run_server(
         streams=config.max_streams,
         metrics=metrics,
         metrics_port=config.metrics_port,
+        tls=config.tls,
+        interceptors=[
+            ServiceGuard(SERVICE, lambda code: metrics.finish_request(time.monotonic(), code), config.api_key)
+        ],
     )
     peer = DecodePeer(config, engine, shell.set_serving, limit)
-    service = GenerationService(engine, peer, metrics, config.max_streams)
+    watchdog = StallWatchdog(config.decode_stall_s, lambda: peer.suspect("a decode stream stalled"))
+    service = GenerationService(engine, peer, metrics, config.max_streams, watchdog)
     info = node_info(engine, config)
     metrics.node_info.info(
         {
@@ -278,9 +327,18 @@ def run_server(
                 api_key=config.api_key,
                 max_streams=config.max_streams,
                 grace_s=config.grace_s,
+                tls=config.tls,
             )
-            log.info("OpenAI-compatible API on http://%s:%d/v1", config.host, http.port)
-        log.info("prefill node on %s:%d, decode peer %s", config.host, shell.port, config.decode_addr)
+            scheme = "http" if config.tls is None else "https"
+            log.info("OpenAI-compatible API on %s://%s:%d/v1", scheme, config.host, http.port)
+        log.info(
+            "prefill node on %s:%d (%s), decode peer %s (%s)",
+            config.host,
+            shell.port,
+            "plaintext" if config.tls is None else "mTLS" if config.tls.mutual else "TLS",
+            config.decode_addr,
+            "plaintext" if config.decode_tls is None else "TLS",
+        )
         yield RunningPrefillNode(
             shell.server,
             shell.port,
@@ -296,4 +354,5 @@ def run_server(
         if http is not None:
             http.stop()  # first: its streams still need the decode peer while they drain
         shell.stop(config.grace_s)
+        watchdog.stop()
         peer.stop()

@@ -20,6 +20,7 @@ import grpc
 from pdspec.metrics import NodeMetrics
 from pdspec.stopping import StopStrings
 from prefill_node.engine import Checked, PrefillEngine
+from prefill_node.watchdog import StallWatchdog
 from protos import pdspec_pb2
 from protos.status import ended_status
 from protos.validation import Violation
@@ -91,8 +92,16 @@ def decode_timeout(call: Call) -> float | None:
 
 
 class GenerationService:
-    def __init__(self, engine: PrefillEngine, peer: Peer, metrics: NodeMetrics, max_streams: int = 160) -> None:
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        peer: Peer,
+        metrics: NodeMetrics,
+        max_streams: int = 160,
+        watchdog: StallWatchdog | None = None,
+    ) -> None:
         self.engine = engine
+        self.watchdog = watchdog or StallWatchdog(0)  # cancels relays that stop making progress
         self.peer = peer
         self.metrics = metrics
         self.max_streams = max_streams
@@ -170,8 +179,10 @@ class GenerationService:
         if not call.add_callback(relay.cancel):
             relay.cancel()
         complete = False  # the decode stream ended by itself: nothing to cancel
+        watch = self.watchdog.watch(relay.cancel)
         try:
             for response in relay:
+                watch.touch()
                 if not call.is_active():
                     record.code = ended_status(call)
                     return
@@ -191,12 +202,17 @@ class GenerationService:
             if not call.is_active():
                 record.code = ended_status(call)
                 return
+            if watch.stalled:
+                self.peer.recheck()
+                message = f"request {rid!r}: decode node sent nothing for {self.watchdog.stall_s:g}s (stalled)"
+                raise RequestFailed("UNAVAILABLE", message, rid) from err
             code = err.code() if err.code() in PASSED_THROUGH else grpc.StatusCode.UNAVAILABLE
             if code is grpc.StatusCode.UNAVAILABLE:
                 self.peer.recheck()
             message = f"request {rid!r}: decode node: {err.code().name}: {err.details()}"
             raise RequestFailed(code.name, message, rid) from err
         finally:
+            watch.done()
             if not complete:
                 relay.cancel()  # every other way out (a client gone, an error, a stop string) ends it
 

@@ -14,8 +14,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from decode_node.__main__ import build_parser as decode_parser
 from decode_node.__main__ import parse_args as decode_args
 from pdspec import healthcheck
+from prefill_node.__main__ import build_parser as prefill_parser
 from prefill_node.__main__ import parse_args as prefill_args
 from tests.nodes.conftest import cluster
 
@@ -51,6 +53,68 @@ def test_compose_files_validate(override):
         decode = config["services"]["decode"]
         assert {"/dev/kfd", "/dev/dri"} <= {d.split(":")[0] for d in decode["devices"]}
         assert decode["group_add"] == ["video"]
+
+
+def test_compose_tls_variant_validates():
+    files = ["-f", str(DEPLOY / "docker-compose.yml"), "-f", str(DEPLOY / "docker-compose.tls.yml")]
+    result = subprocess.run([compose(), *files, "config"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    decode, prefill = services["decode"]["environment"], services["prefill"]["environment"]
+    assert decode["PDSPEC_DECODE_TLS_CA"] == "/certs/ca.pem"  # mTLS
+    assert prefill["PDSPEC_PREFILL_DECODE_TLS_CERT"] == "/certs/client.pem"
+    assert prefill["PDSPEC_PREFILL_DECODE_ADDR"] == "dns:///decode:50052"  # the base file's, kept
+    for name in ("decode", "prefill"):
+        targets = [v["target"] if isinstance(v, dict) else v.split(":")[1] for v in services[name]["volumes"]]
+        assert "/certs" in targets, name
+
+
+def flag_env_names(parser) -> set[str]:
+    return {parser.env_name(a.option_strings[-1]) for a in parser._actions if a.option_strings}
+
+
+def test_compose_tls_variant_sets_only_real_flags():
+    """Every PDSPEC_* variable of the TLS override is a flag of the process that reads it
+    (without docker-compose: the file itself), and the certificate paths are the ones
+    deploy/make-certs.sh writes."""
+    override = yaml.safe_load((DEPLOY / "docker-compose.tls.yml").read_text())["services"]
+    known = {
+        "decode": flag_env_names(decode_parser()) | flag_env_names(healthcheck.build_parser()),
+        "prefill": flag_env_names(prefill_parser()) | flag_env_names(healthcheck.build_parser()),
+    }
+    script = (DEPLOY / "make-certs.sh").read_text()
+    for name, service in override.items():
+        env = service["environment"]
+        assert set(env) <= known[name], set(env) - known[name]
+        for value in env.values():
+            if str(value).startswith("/certs/"):
+                assert Path(value).name.replace("-key", "").removesuffix(".pem") in script, value
+    assert {"PDSPEC_DECODE_TLS_CERT", "PDSPEC_DECODE_TLS_KEY", "PDSPEC_DECODE_TLS_CA"} <= set(
+        override["decode"]["environment"]
+    )
+    assert {"PDSPEC_PREFILL_TLS_CERT", "PDSPEC_PREFILL_DECODE_TLS_CA", "PDSPEC_HEALTH_TLS_CA"} <= set(
+        override["prefill"]["environment"]
+    )
+
+
+def test_make_certs_script_writes_a_chain_that_verifies(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    subprocess.run(["sh", str(DEPLOY / "make-certs.sh"), str(tmp_path)], check=True, capture_output=True)
+    ca = str(tmp_path / "ca.pem")
+    for name, purpose in (("decode", "sslserver"), ("prefill", "sslserver"), ("client", "sslclient")):
+        result = subprocess.run(
+            ["openssl", "verify", "-CAfile", ca, "-purpose", purpose, str(tmp_path / f"{name}.pem")],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+    sans = subprocess.run(
+        ["openssl", "x509", "-in", str(tmp_path / "decode.pem"), "-noout", "-ext", "subjectAltName"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "DNS:decode" in sans and "DNS:localhost" in sans
 
 
 def referenced_metrics() -> set[str]:

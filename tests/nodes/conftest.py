@@ -41,13 +41,17 @@ def cluster(
     pair,
     decode_config: DecodeConfig | None = None,
     prefill_config: PrefillConfig | None = None,
+    decode_node: dict | None = None,
+    client_options: dict | None = None,
     **prefill_node: object,
 ):
     """A decode and a prefill node on loopback, ports chosen by the OS, ready to serve;
-    `prefill_node` overrides PrefillNodeConfig fields (http_port=0 for the OpenAI API...)."""
-    with run_decode(
-        DecodeNodeConfig(host="127.0.0.1", port=0, metrics_port=0, engine=decode_config or DecodeConfig()), lambda: pair
-    ) as decode:
+    `prefill_node` overrides PrefillNodeConfig fields (http_port=0 for the OpenAI API...),
+    `decode_node` DecodeNodeConfig fields (tls=...), `client_options` the Client's (tls_ca=...)."""
+    decode_node_config = DecodeNodeConfig(
+        host="127.0.0.1", port=0, metrics_port=0, engine=decode_config or DecodeConfig()
+    )
+    with run_decode(dataclasses.replace(decode_node_config, **(decode_node or {})), lambda: pair) as decode:
         config = PrefillNodeConfig(
             decode_addr=f"127.0.0.1:{decode.port}",
             host="127.0.0.1",
@@ -59,7 +63,7 @@ def cluster(
         config = dataclasses.replace(config, **prefill_node)
         with run_prefill(config, lambda: pair) as prefill:
             wait_until(lambda: prefill.peer.compatible, what="decode peer")
-            with Client(f"127.0.0.1:{prefill.port}") as client:
+            with Client(f"127.0.0.1:{prefill.port}", **(client_options or {})) as client:
                 yield client, prefill, decode
 
 

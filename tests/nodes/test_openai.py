@@ -29,7 +29,7 @@ def client_for(port: int, key: str = KEY) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def api(pair):
-    with cluster(pair, http_port=0, api_key=KEY) as (grpc_client, prefill, decode):
+    with cluster(pair, http_port=0, api_key=KEY, client_options={"api_key": KEY}) as (grpc_client, prefill, decode):
         yield SimpleNamespace(
             oai=client_for(prefill.http_port),
             url=f"http://127.0.0.1:{prefill.http_port}",
