@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 from decode_node.engine import DecodeConfig
 from decode_node.server import DecodeNodeConfig, run_server
 from pdspec.config import node_options, node_parser, request_limits
+from pdspec.logs import setup_logging
 from pdspec.serving import serve_until_signal
 from sampling.proposal import DraftLaw
 
@@ -40,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(message)s")
+    args, _ = build_parser().parse_known_args(argv)  # --version and --help exit here
+    setup_logging("decode", args.log_level, args.log_format)
     serve_until_signal(run_server(parse_args(argv)))
 
 

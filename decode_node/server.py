@@ -22,7 +22,7 @@ import pdspec
 from decode_node.engine import DecodeConfig, DecodeEngine, Event, QueueFull
 from engine.paged_lm import paged_pair
 from models.pair import ModelPair
-from pdspec.metrics import NodeMetrics
+from pdspec.metrics import NodeMetrics, SummaryLogger
 from pdspec.modelspec import ModelSpec, backends, model_dtype
 from pdspec.serving import NodeShell
 from pdspec.tls import ServerTls, ServiceGuard
@@ -71,6 +71,7 @@ class DecodeNodeConfig:
     max_message_bytes: int | None = None  # None: derived from the contract
     limits: RequestLimits = field(default_factory=RequestLimits)  # max_prompt_tokens sizes the message limit
     grace_s: float = 5.0
+    log_stats_s: float = 10.0  # period of the summary log line (0 = off)
     tls: ServerTls | None = None  # TLS; with its `ca`, mTLS: only clients that CA signed
 
 
@@ -270,6 +271,8 @@ def run_server(
     pdspec_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, receiver, metrics, info), shell.server)
     engine.start()
     shell.start()
+    summary = SummaryLogger(metrics, config.log_stats_s)
+    summary.start()
     shell.set_serving(True)
     log.info(
         "decode node serving on %s:%d (%s, message limit %d bytes)",
@@ -281,5 +284,6 @@ def run_server(
     try:
         yield RunningDecodeNode(shell.server, shell.port, metrics, shell.metrics_port, engine, shell)
     finally:
+        summary.stop()
         shell.stop(config.grace_s)
         engine.stop()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import sysconfig
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from models.tokenizer import ByteTokenizer
 from protos.contract import KvTensorSpec
 from sampling import DraftToTargetMap
 
+log = logging.getLogger(__name__)
 EOS = 256
 ALPHABET = 257  # input ids: bytes and EOS
 TARGET_ORDER = 5
@@ -186,6 +188,12 @@ def load_builtin_pair(corpus: Path | None = None, cache_dir: Path | None = None)
     path = cache_dir / f"ngram-{digest[:20]}.npz"
     target_tables, draft_tables = _load_tables(path) if path.exists() else (None, None)
     if target_tables is None:
+        log.info(
+            "training the built-in n-gram pair on %d bytes of %d files (first start only; cached at %s)",
+            len(tokens),
+            len(files),
+            path,
+        )
         identity = np.arange(ALPHABET, dtype=np.int64)
         to_draft = np.full(ALPHABET, -1, dtype=np.int64)
         to_draft[list(DRAFT_TO_TARGET)] = np.arange(len(DRAFT_TO_TARGET))

@@ -1,8 +1,9 @@
-"""The `pdspec` command line: generate, info, demo. Every flag also reads PDSPEC_CLI_<FLAG>."""
+"""The `pdspec` command line: serve, generate, info, demo. Every flag also reads PDSPEC_CLI_<FLAG>."""
 
 from __future__ import annotations
 
 import functools
+import json
 import sys
 import time
 
@@ -15,7 +16,10 @@ from pdspec.tls import ClientTls, add_client_flags
 
 
 def main(argv: list[str] | None = None) -> int:
+    import pdspec
+
     parser = EnvArgumentParser("cli", prog="pdspec", description="pdspec command line")
+    parser.add_argument("--version", action="version", version=f"pdspec {pdspec.__version__}")
     commands = parser.add_subparsers(
         dest="command", required=True, parser_class=functools.partial(EnvArgumentParser, "cli")
     )
@@ -37,24 +41,31 @@ def main(argv: list[str] | None = None) -> int:
         ],
     )
     _security_flags(gen)
-    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("prompt", help="prompt text (- reads it from standard input)")
 
-    info = commands.add_parser("info", help="show both nodes' GetInfo")
+    info = commands.add_parser("info", help="the nodes' GetInfo as JSON")
     _flags(
         info,
         [
             ("--prefill-addr", {"default": "localhost:50051", "help": "prefill node"}),
             ("--decode-addr", {"default": "localhost:50052", "help": "decode node"}),
+            ("--node", {"default": "both", "choices": ["both", "prefill", "decode"], "help": "which node to ask"}),
         ],
     )
     _security_flags(info)
     commands.add_parser("demo", help="rejection-sampling demo (no servers needed)", add_help=False)
+    commands.add_parser("serve", help="run a decode and a prefill node here (as `make run` does)", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from sampling import demo
 
         demo.main(rest)
+        return 0
+    if args.command == "serve":
+        from pdspec import local
+
+        local.main(rest)
         return 0
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -66,7 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args) if args.command == "generate" else _info(args)
     except grpc.RpcError as err:
         print(f"pdspec: {err.code().name}: {err.details()}", file=sys.stderr)
+        if err.code() == grpc.StatusCode.UNAVAILABLE and "unreachable" not in (err.details() or ""):
+            print(
+                "pdspec: is a node running there? Start both with `pdspec serve` (or `make run`), or point "
+                "--prefill-addr / --decode-addr at yours.",
+                file=sys.stderr,
+            )
         return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 def _flags(sub: EnvArgumentParser, flags) -> None:
@@ -96,7 +115,7 @@ def _generate(args) -> int:
     with _client(args) as client:
         tokens, stats = 0, None
         for response in client.stream(
-            args.prompt,
+            sys.stdin.read() if args.prompt == "-" else args.prompt,
             max_new_tokens=args.max_new_tokens,
             greedy=args.greedy,
             temperature=args.temperature,
@@ -124,13 +143,22 @@ def _generate(args) -> int:
 
 
 def _info(args) -> int:
-    with _client(args) as client:
-        infos = (("prefill", client.info()), ("decode", decode_info(args.decode_addr, tls=args.tls)))
-        for name, info in infos:
-            shown = json_format.MessageToDict(info, preserving_proto_field_name=True)
-            shown["draft_to_target"] = f"[{len(info.draft_to_target)} ids]"
-            print(f"{name}: {shown}")
+    """GetInfo of the asked nodes as one JSON object ({"prefill": ..., "decode": ...})."""
+    out = {}
+    if args.node in ("both", "prefill"):
+        with _client(args) as client:
+            out["prefill"] = _info_dict(client.info())
+    if args.node in ("both", "decode"):
+        out["decode"] = _info_dict(decode_info(args.decode_addr, tls=args.tls))
+    print(json.dumps(out, indent=2))
     return 0
+
+
+def _info_dict(info) -> dict:
+    shown = json_format.MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    if shown.get("backends"):
+        shown["backends"] = json.loads(shown["backends"])
+    return shown
 
 
 if __name__ == "__main__":

@@ -34,9 +34,16 @@ class EnvArgumentParser(argparse.ArgumentParser):
 
 def node_parser(role: str, port: int, metrics_port: int, description: str) -> EnvArgumentParser:
     """The flags both nodes share; each node adds its own."""
+    import pdspec
     from sampling.proposal import DraftLaw
 
     parser = EnvArgumentParser(role, prog=f"python -m {role}_node", description=description)
+    parser.add_argument("--version", action="version", version=f"pdspec {pdspec.__version__} ({role} node)")
+    parser.add_flag("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
+    parser.add_flag("--log-format", default="text", choices=["text", "json"], help="text lines or one JSON per line")
+    parser.add_flag(
+        "--log-stats-seconds", default=10.0, type=float, help="period of the throughput/acceptance summary (0 = off)"
+    )
     parser.add_flag("--host", default="0.0.0.0", help="address to bind")
     parser.add_flag("--port", default=port, type=int, help="gRPC port (0 = any free port)")
     parser.add_flag("--metrics-port", default=metrics_port, type=int, help="Prometheus /metrics port (-1 = off)")
@@ -114,6 +121,7 @@ def node_options(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
             gpu_memory_utilization=args.gpu_memory_utilization,
         ),
         "max_message_bytes": args.max_message_bytes,
+        "log_stats_s": args.log_stats_seconds,
         "grace_s": args.grace_seconds,
         "tls": tls,
     }

@@ -252,3 +252,60 @@ class MetricsServer:
         if method != "HEAD":
             writer.write(body)
         await writer.drain()
+
+
+class SummaryLogger:
+    """Every `interval` seconds while there is traffic, one INFO line of what the node did
+    (vLLM-style): tokens/s, requests finished, running/waiting, draft acceptance by do_sample."""
+
+    def __init__(self, metrics: NodeMetrics, interval: float) -> None:
+        self.metrics, self.interval = metrics, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{metrics.node}-summary", daemon=True)
+        self._last = self._read()
+
+    def start(self) -> None:
+        if self.interval > 0:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _read(self) -> dict[str, float]:
+        get, node = self.metrics.registry.get_sample_value, self.metrics.node
+        out = {
+            "tokens": get("pdspec_generated_tokens_total", {"node": node}) or 0.0,
+            "requests": sum(
+                get("pdspec_requests_total", {"node": node, "code": code}) or 0.0
+                for code in ("OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")
+            ),
+        }
+        for label in DO_SAMPLE:
+            out[f"draft_{label}"] = get("pdspec_spec_draft_tokens_total", {"do_sample": label}) or 0.0
+            out[f"accepted_{label}"] = get("pdspec_spec_accepted_tokens_total", {"do_sample": label}) or 0.0
+        return out
+
+    def line(self, now: dict[str, float], seconds: float) -> str:
+        get, node = self.metrics.registry.get_sample_value, self.metrics.node
+        delta = {k: now[k] - self._last[k] for k in now}
+        acceptance = ", ".join(
+            f"do_sample={label} {delta[f'accepted_{label}'] / delta[f'draft_{label}']:.1%}"
+            for label in DO_SAMPLE
+            if delta[f"draft_{label}"]
+        )
+        return (
+            f"{delta['tokens'] / seconds:.1f} tokens/s, {delta['requests']:.0f} requests ended, "
+            f"running {get('pdspec_running_requests', {'node': node}) or 0:.0f}, "
+            f"waiting {get('pdspec_waiting_requests', {'node': node}) or 0:.0f}"
+            + (f", draft acceptance {acceptance}" if acceptance else "")
+        )
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        while not self._stop.wait(self.interval):
+            now, ended = self._read(), time.monotonic()
+            if now != self._last:
+                log.info("%s", self.line(now, ended - started))
+            self._last, started = now, ended

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from pdspec.config import node_options, node_parser, request_limits
+from pdspec.logs import setup_logging
 from pdspec.serving import serve_until_signal
 from pdspec.tls import ClientTls, add_client_flags
 from prefill_node.engine import PrefillConfig
@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
         engine=engine,
         max_streams=args.max_streams,
         http_port=None if args.http_port < 0 else args.http_port,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name or served_name(args.target_model),
         api_key=api_key or None,
         decode_tls=decode_tls,
         decode_stall_s=args.decode_stall_seconds,
@@ -107,8 +107,17 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
     )
 
 
+def served_name(target_model: str | None) -> str:
+    """The OpenAI API's model id when --served-model-name is not given: what --target-model
+    names (smollm2-135m-instruct, a file's stem, a directory's name)."""
+    if not target_model:
+        return "pdspec-builtin"
+    return Path(target_model).stem if target_model.endswith(".gguf") else Path(target_model).name
+
+
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
+    args, _ = build_parser().parse_known_args(argv)  # --version and --help exit here
+    setup_logging("prefill", args.log_level, args.log_format)
     serve_until_signal(run_server(parse_args(argv)))
 
 

@@ -23,7 +23,7 @@ import grpc
 import pdspec
 from engine.paged_lm import paged_pair
 from models.pair import ModelPair
-from pdspec.metrics import NodeMetrics
+from pdspec.metrics import NodeMetrics, SummaryLogger
 from pdspec.modelspec import ModelSpec, backends, model_dtype
 from pdspec.serving import NodeShell
 from pdspec.tls import ClientTls, ServerTls, ServiceGuard, channel
@@ -80,6 +80,7 @@ class PrefillNodeConfig:
     max_message_bytes: int | None = None
     peer_check_s: float = 1.0  # while the peer is not compatible; 10x that while it is
     grace_s: float = 5.0
+    log_stats_s: float = 10.0  # period of the summary log line (0 = off)
     max_streams: int = 160  # concurrent Generate streams (the worker pool has headroom above it)
     # The OpenAI-compatible HTTP API (prefill_node/http.py): None = off, 0 = any free port.
     # Off by default here (tests and embedders pick their ports); the CLI's default is 8000.
@@ -313,6 +314,8 @@ def run_server(
     metrics.running.labels("prefill").set_function(lambda: service.in_flight)
     pdspec_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(service, info), shell.server)
     shell.start()
+    summary = SummaryLogger(metrics, config.log_stats_s)
+    summary.start()
     peer.start()
     http = None
     try:
@@ -353,6 +356,7 @@ def run_server(
     finally:
         if http is not None:
             http.stop()  # first: its streams still need the decode peer while they drain
+        summary.stop()
         shell.stop(config.grace_s)
         watchdog.stop()
         peer.stop()

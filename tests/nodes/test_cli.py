@@ -1,0 +1,43 @@
+"""The `pdspec` command line against real nodes: --version, info as JSON per node, a prompt
+from standard input, and a connection error that says what to start."""
+
+import io
+import json
+import sys
+
+import pytest
+
+from pdspec import cli
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("pdspec ")
+
+
+def test_info_is_json_per_node(nodes, capsys):
+    _, prefill, decode = nodes
+    addrs = ["--prefill-addr", f"127.0.0.1:{prefill.port}", "--decode-addr", f"127.0.0.1:{decode.port}"]
+    assert cli.main(["info", *addrs]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert both["prefill"]["role"] == "prefill" and both["decode"]["role"] == "decode"
+    assert both["decode"]["contract_fingerprint"] == both["prefill"]["contract_fingerprint"]
+    assert both["decode"]["backends"]["target"] == "builtin-ngram"
+    assert cli.main(["info", "--node", "decode", *addrs]) == 0
+    assert set(json.loads(capsys.readouterr().out)) == {"decode"}
+
+
+def test_generate_reads_the_prompt_from_stdin(nodes, capsys, monkeypatch):
+    client, prefill, _ = nodes
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def main():\n    "))
+    args = ["generate", "--prefill-addr", f"127.0.0.1:{prefill.port}", "--greedy", "--max-new-tokens", "12", "-"]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    expected = client.generate("def main():\n    ", greedy=True, max_new_tokens=12)
+    assert printed.startswith(expected.text) and "[finished: length]" in printed
+
+
+def test_connection_error_says_what_to_start(capsys):
+    assert cli.main(["info", "--node", "prefill", "--prefill-addr", "127.0.0.1:1"]) == 1
+    assert "pdspec serve" in capsys.readouterr().err
