@@ -1,13 +1,20 @@
-"""Wire benchmark: proposal bytes per request, and the DENSE round-trip throughput.
+"""Wire benchmark: proposal bytes per request, the DENSE round trip, the KV handoff.
 
-    python bench/wire.py
+    python bench/wire.py [--kv-tokens 1024,4096,16384] [--repeat 3]
 
 1. Proposal bytes (serialized `Proposal` message) for DENSE / POINT_MASS / SPARSE at
    V in {32000, 128256, 151936} and K in {1, 4, 8}. The SPARSE draft is top-p 0.9 over
    softmax(3 randn) logits (the ANCHORS.md distribution); its support size M is reported.
 2. DENSE encode + serialize + parse + decode of a whole DecodeRequest, in GB/s of
    proposal payload, next to a plain memcpy (numpy copyto) of the same bytes in the same
-   run.
+   run; the zero-copy codec (protos/wire.py) next to the protobuf path it replaced, and
+   torch `copy_` of the same bytes.
+3. KV handoff of a Llama-3-8B-shaped KV (32 layers x K,V [8, seq, 128] bf16, 128 KiB a
+   token; random tensors) through real gRPC on loopback to the real DecodeServicer (a
+   stub engine whose submit marks "decode tensors ready", in its own process): one Decode
+   message and DecodeStream in --kv-chunk-bytes slices, next to a raw TCP socket sending
+   the same bytes (sendall of the tensors' memoryviews, recv_into one buffer). Peak extra
+   memory: RSS sampled every 5 ms on each side, beyond the KV itself.
 Writes bench/results/wire-*.json.
 """
 
@@ -24,10 +31,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, markdown_table, write_results
-from protos import pdspec_pb2
+from bench.wire_kv import kv_handoff
+from protos import pdspec_pb2, wire
 from protos.codec import decode_tensor
-from protos.proposal import ProposalEncoding, encode_proposal
+from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
 from sampling import SamplingParams, SamplingTensors, propose_stochastic
+from sampling.proposal import DraftLaw
 
 VOCABS = [32000, 128256, 151936]
 KS = [1, 4, 8]
@@ -89,6 +98,36 @@ def proposal_bytes() -> tuple[list[dict], str]:
     return rows, markdown_table(header, table)
 
 
+def defaults() -> tuple[list[dict], str]:
+    """Bytes per request of the default encodings by law, at real vocabularies, K = 4."""
+    rows, table = [], []
+    for vocab in VOCABS:
+        for law, compact in ((DraftLaw.POINT_MASS, False), (DraftLaw.STOCHASTIC, False), (DraftLaw.STOCHASTIC, True)):
+            encoding = choose_encoding(None, law, compact)
+            ids, probs = draft(vocab, 4, top_p=None if law is DraftLaw.POINT_MASS else 0.9)
+            size = encode_proposal(ids, ids, probs, vocab, encoding).ByteSize()
+            rows.append({"vocab": vocab, "k": 4, "law": law.value, "compact": compact, "encoding": encoding.value})
+            rows[-1]["bytes"] = size
+            table.append([vocab, law.value, "yes" if compact else "no", encoding.value, size])
+    return rows, markdown_table(["V", "law", "--compact-encodings", "default encoding", "bytes (K=4)"], table)
+
+
+def zero_copy_once(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """encode (a view) + serialize (the one join) + parse (walk, views) + decode (a view)."""
+    out = wire.WireDecodeRequest(pdspec_pb2.DecodeRequest(request_id="bench", num_speculative_tokens=int(ids.shape[0])))
+    encode_proposal(
+        ids,
+        ids,
+        probs,
+        probs.shape[1],
+        ProposalEncoding.DENSE,
+        out=out.header.proposal,
+        set_tensor=lambda name, t: out.set_tensor(f"proposal.{name}", t),
+    )
+    received = wire.parse_decode_request(out.SerializeToString())
+    return decode_tensor(received.header.proposal.probs, data=received.payloads["proposal.probs"])
+
+
 def round_trip_once(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     request = pdspec_pb2.DecodeRequest(request_id="bench", num_speculative_tokens=int(ids.shape[0]))
     encode_proposal(ids, ids, probs, probs.shape[1], ProposalEncoding.DENSE, out=request.proposal)
@@ -115,17 +154,23 @@ def round_trip() -> tuple[list[dict], str]:
             ids, probs = draft(vocab, k, top_p=0.9)
             payload = probs.numel() * 4
             assert torch.equal(round_trip_once(probs, ids), probs)
+            assert torch.equal(zero_copy_once(probs, ids), probs)
             src = np.frombuffer(probs.numpy().tobytes(), np.uint8)
             dst = np.zeros_like(src)  # touched pages: no first-copy page faults in the baseline
-            memcpy_s = median_seconds(lambda s=src, d=dst: np.copyto(d, s))
+            memcpy_s = median_seconds(lambda s=src, d=dst: np.copyto(d, s), repeat=100)
+            tsrc, tdst = torch.from_numpy(src.copy()), torch.zeros(len(src), dtype=torch.uint8)
+            torch_s = median_seconds(lambda s=tsrc, d=tdst: d.copy_(s), repeat=100)
             trip_s = median_seconds(lambda p=probs, i=ids: round_trip_once(p, i))
+            zero_s = median_seconds(lambda p=probs, i=ids: zero_copy_once(p, i), repeat=100)
             rows.append(
                 {
                     "vocab": vocab,
                     "k": k,
                     "payload_bytes": payload,
-                    "round_trip_gbps": payload / trip_s / 1e9,
+                    "zero_copy_gbps": payload / zero_s / 1e9,
+                    "protobuf_gbps": payload / trip_s / 1e9,
                     "memcpy_gbps": payload / memcpy_s / 1e9,
+                    "torch_copy_gbps": payload / torch_s / 1e9,
                 }
             )
             table.append(
@@ -133,30 +178,53 @@ def round_trip() -> tuple[list[dict], str]:
                     vocab,
                     k,
                     f"{payload / 1e6:.2f}",
-                    f"{trip_s * 1e3:.2f}",
+                    f"{zero_s * 1e3:.3f}",
+                    f"{payload / zero_s / 1e9:.2f}",
                     f"{payload / trip_s / 1e9:.2f}",
                     f"{payload / memcpy_s / 1e9:.2f}",
+                    f"{payload / torch_s / 1e9:.2f}",
+                    f"{memcpy_s / zero_s:.0%}",
                     f"{memcpy_s / trip_s:.0%}",
                 ]
             )
-    header = ["V", "K", "payload MB", "round trip ms", "DENSE round trip GB/s", "memcpy GB/s", "round trip / memcpy"]
+    header = [
+        "V",
+        "K",
+        "payload MB",
+        "zero-copy ms",
+        "zero-copy GB/s",
+        "protobuf GB/s",
+        "numpy memcpy GB/s",
+        "torch copy_ GB/s",
+        "zero-copy / memcpy",
+        "protobuf / memcpy",
+    ]
     return rows, markdown_table(header, table)
 
 
 def main() -> None:
-    env = environment()
+    import argparse
+
+    import google.protobuf
+    import grpc
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kv-tokens", default="1024,4096,16384")
+    parser.add_argument("--kv-chunk-bytes", type=int, default=4 << 20)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    env = environment() | {"grpcio": grpc.__version__, "protobuf": google.protobuf.__version__}
     size_rows, size_table = proposal_bytes()
+    default_rows, default_table = defaults()
     trip_rows, trip_table = round_trip()
     print("\n".join(f"{k}: {v}" for k, v in env.items()))
-    print(size_table)
-    print()
-    print(trip_table)
-    print(
-        "wrote",
-        write_results(
-            "wire", env, {"proposal_bytes": size_rows, "round_trip": trip_rows}, size_table + "\n\n" + trip_table
-        ),
-    )
+    print(size_table, default_table, trip_table, sep="\n\n", flush=True)
+    tokens = [int(t) for t in args.kv_tokens.split(",")]
+    kv_rows, kv_table = kv_handoff(tokens, args.kv_chunk_bytes, args.repeat)
+    print(kv_table)
+    rows = {"proposal_bytes": size_rows, "defaults": default_rows, "round_trip": trip_rows, "kv_handoff": kv_rows}
+    tables = "\n\n".join([size_table, default_table, trip_table, kv_table])
+    print("wrote", write_results("wire", env, rows, tables))
 
 
 if __name__ == "__main__":

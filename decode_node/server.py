@@ -9,6 +9,7 @@ in-flight requests within the grace period.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import queue
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 import pdspec
 from decode_node.engine import DecodeConfig, DecodeEngine, Event, QueueFull
@@ -27,10 +29,13 @@ from pdspec.modelspec import ModelSpec, backends, model_dtype
 from pdspec.serving import NodeShell
 from pdspec.tls import ServerTls, ServiceGuard
 from protos import pdspec_pb2, pdspec_pb2_grpc
+from protos.codec import TORCH_DTYPES
 from protos.contract import max_message_bytes
-from protos.proposal import ProposalEncoding
+from protos.proposal import ProposalEncoding, choose_encoding
+from protos.rpc import add_decode_servicer
 from protos.status import ended_status, status_code, to_grpc_status
-from protos.validation import DecodeInput, Receiver, RequestLimits, validate_decode_request
+from protos.validation import DecodeInput, Receiver, RequestLimits, Violation, validate_decode_request
+from protos.wire import ParsedChunk, ParsedDecodeRequest
 
 log = logging.getLogger(__name__)
 SERVICE = pdspec_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
@@ -52,6 +57,9 @@ VALIDATED_FIELDS = (
     "proposal.sparse_ids",
     "proposal.sparse_probs",
     "kv_cache",
+    "kv_manifest",
+    "kv",
+    "request",
     "sampling.temperature",
     "sampling.top_k",
     "sampling.top_p",
@@ -85,33 +93,123 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
     def GetInfo(self, request, context):
         return self.info
 
-    def Decode(self, request: pdspec_pb2.DecodeRequest, context: grpc.ServicerContext):
+    def Decode(self, request: ParsedDecodeRequest | pdspec_pb2.DecodeRequest, context: grpc.ServicerContext):
+        """`request` as protos.rpc parses it (payload views), or a plain message (tests)."""
+        if isinstance(request, pdspec_pb2.DecodeRequest):
+            request = ParsedDecodeRequest(request, proposal_bytes=request.proposal.ByteSize())
+        return self._call(self._decode(request, context), context)
+
+    def DecodeStream(self, chunks: Iterator[ParsedChunk], context: grpc.ServicerContext):
+        """The first chunk: request + KV manifest; then the KV slices (protos/pdspec.proto)."""
+        return self._call(self._decode_stream(chunks, context), context)
+
+    def _call(self, body, context):
         started = time.monotonic()
         outcome = ["OK"]
         try:
-            yield from self._decode(request, context, started, outcome)
+            yield from body(started, outcome)
         except GeneratorExit:  # gRPC closed the stream: the client cancelled or its deadline passed
             outcome[0] = ended_status(context)
             raise
         finally:
             self.metrics.finish_request(started, outcome[0])
 
-    def _decode(self, request, context, started: float, outcome: list[str]):
-        result = validate_decode_request(request, self.receiver)
+    def _reject(self, violations, request_id: str, context, outcome: list[str]) -> None:
+        for violation in violations:
+            self.metrics.validation_rejections.labels("decode", violation.field).inc()
+        outcome[0] = status_code(violations).name
+        context.abort_with_status(to_grpc_status(violations, request_id))
+
+    def _validated(self, request: ParsedDecodeRequest, context, outcome, kv_manifest=None) -> DecodeInput:
+        if request.error is not None:
+            self._reject([request.error], "", context, outcome)
+        result = validate_decode_request(request.header, self.receiver, request.payloads, kv_manifest)
         if not isinstance(result, DecodeInput):
-            for violation in result:
-                self.metrics.validation_rejections.labels("decode", violation.field).inc()
-            outcome[0] = status_code(result).name
-            context.abort_with_status(to_grpc_status(result, request.request_id))
-        self.metrics.proposal_bytes.labels("decode", ENCODING_LABELS[request.proposal.encoding]).inc(
-            request.proposal.ByteSize()
+            self._reject(result, request.request_id, context, outcome)
+        self.metrics.proposal_bytes.labels("decode", ENCODING_LABELS[request.header.proposal.encoding]).inc(
+            request.proposal_bytes
         )
-        self.metrics.kv_bytes.labels("decode").inc(sum(len(t.data) for t in request.kv_cache))
+        return result
+
+    def _decode(self, request: ParsedDecodeRequest, context):
+        def body(started: float, outcome: list[str]):
+            result = self._validated(request, context, outcome)
+            self.metrics.kv_bytes.labels("decode").inc(request.kv_bytes)
+            yield from self._generate(result, context, started, outcome)
+
+        return body
+
+    def _decode_stream(self, chunks: Iterator[ParsedChunk], context):
+        def body(started: float, outcome: list[str]):
+            try:
+                result = self._receive(chunks, context, outcome)
+            except grpc.RpcError:  # the client cancelled mid-upload: what was reserved is dropped
+                outcome[0] = ended_status(context)
+                return
+            yield from self._generate(result, context, started, outcome)
+
+        return body
+
+    def _receive(self, chunks: Iterator[ParsedChunk], context, outcome: list[str]) -> DecodeInput:
+        """Validate the first chunk, reserve the KV (host tensors of the declared shapes),
+        fill it slice by slice; any gap, overlap or overrun is INVALID_ARGUMENT."""
+        first = next(chunks, None)
+        if first is None or first.error is not None or first.request is None:
+            problem = "no chunks" if first is None else "a chunk without a request"
+            self._reject(
+                [
+                    first.error
+                    if first and first.error
+                    else Violation("request", "a first chunk with the request", problem)
+                ],
+                "",
+                context,
+                outcome,
+            )
+        request = first.request
+        rid = request.request_id
+        if first.kv is not None:
+            self._reject([Violation("kv", "no KV slice in the first chunk", "a slice")], rid, context, outcome)
+        result = self._validated(request, context, outcome, first.manifest)
+        buffers = [torch.empty(tuple(pb.shape), dtype=TORCH_DTYPES[pb.data_type]) for pb in first.manifest]
+        flat = [b.view(-1).view(torch.uint8) if b.numel() else b.view(torch.uint8) for b in buffers]
+        got = [0] * len(buffers)
+        for chunk in chunks:
+            problem = chunk.error
+            if problem is None and (chunk.kv is None or chunk.request is not None or chunk.manifest):
+                problem = Violation("kv", "a chunk with a KV slice only", "a request, manifest or nothing")
+            if problem is None:
+                i, offset, size = chunk.kv.tensor_index, chunk.kv.offset, len(chunk.data)
+                if not 0 <= i < len(buffers):
+                    problem = Violation("kv.tensor_index", f"0..{len(buffers) - 1}", str(i))
+                elif offset != got[i]:
+                    problem = Violation(f"kv[{i}].offset", f"{got[i]} (the bytes received so far)", str(offset))
+                elif offset + size > flat[i].numel():
+                    problem = Violation(f"kv[{i}].data", f"at most {flat[i].numel() - offset} bytes", f"{size} bytes")
+            if problem is not None:
+                self._reject([problem], rid, context, outcome)
+            if size:
+                flat[i][offset : offset + size] = torch.frombuffer(chunk.data, dtype=torch.uint8)
+                got[i] += size
+        missing = [i for i, b in enumerate(flat) if got[i] != b.numel()]
+        if missing:
+            i = missing[0]
+            self._reject(
+                [Violation(f"kv[{i}]", f"{flat[i].numel()} bytes", f"{got[i]} bytes ({len(missing)} tensors short)")],
+                rid,
+                context,
+                outcome,
+            )
+        self.metrics.kv_bytes.labels("decode").inc(sum(got))
+        return dataclasses.replace(result, kv_cache=buffers)
+
+    def _generate(self, result: DecodeInput, context, started: float, outcome: list[str]):
+        rid = result.request_id
         try:
             handle = self.engine.submit(result)
         except QueueFull as err:
             outcome[0] = "RESOURCE_EXHAUSTED"
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {request.request_id!r}: queue full ({err})")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {rid!r}: queue full ({err})")
         # A client cancel or deadline cancels the engine request. add_callback returns False
         # when the RPC has already ended (a 1 ms deadline can expire before this line): then
         # nothing would ever call it, so cancel now.
@@ -132,7 +230,7 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
                 event = _coalesce(event, handle.events)
                 if event.error:
                     outcome[0] = "INTERNAL"
-                    context.abort(grpc.StatusCode.INTERNAL, f"request {request.request_id!r}: {event.error}")
+                    context.abort(grpc.StatusCode.INTERNAL, f"request {rid!r}: {event.error}")
                 now = time.monotonic()
                 if first and event.tokens:
                     self.metrics.time_to_first_token.labels("decode").observe(now - started)
@@ -143,7 +241,7 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
                         self.metrics.inter_token_latency.labels("decode").observe(gap)
                 last = now
                 self.metrics.generated_tokens.labels("decode").inc(len(event.tokens))
-                yield _response(request.request_id, event)
+                yield _response(rid, event)
                 if event.finished:
                     return
         finally:
@@ -214,6 +312,8 @@ def node_info(pair: ModelPair, config: DecodeNodeConfig, engine: DecodeEngine) -
         target_model=contract.target_model,
         draft_model=contract.draft_model,
         draft_law=engine_config.draft_law.value,
+        # what this node expects by default: the prefill default for its draft law
+        proposal_encoding=choose_encoding(None, engine_config.draft_law, False).value,
         version=pdspec.__version__,
         dtype=model_dtype(pair),
         backends=json.dumps(backends(pair, getattr(engine.verifier.sampler, "backend", "custom"))),
@@ -268,7 +368,7 @@ def run_server(
     )
     metrics.running.labels("decode").set_function(lambda: engine.running)
     metrics.waiting.labels("decode").set_function(lambda: engine.waiting)
-    pdspec_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, receiver, metrics, info), shell.server)
+    add_decode_servicer(DecodeServicer(engine, receiver, metrics, info), shell.server)
     engine.start()
     shell.start()
     summary = SummaryLogger(metrics, config.log_stats_s)

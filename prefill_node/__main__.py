@@ -23,9 +23,9 @@ def build_parser():
     )
     parser.add_flag(
         "--proposal-encoding",
-        default="dense",
-        choices=[e.value for e in ProposalEncoding],
-        help="wire encoding of the draft distributions",
+        default="auto",
+        choices=["auto", *(e.value for e in ProposalEncoding)],
+        help="wire encoding of the draft distributions (auto: point-mass for a point-mass law, else dense)",
     )
     parser.add_flag(
         "--compact-encodings",
@@ -33,6 +33,14 @@ def build_parser():
         type=bool,
         help="pick the smallest exact encoding (point-mass or sparse) automatically",
     )
+    parser.add_flag(
+        "--kv-streaming",
+        default=False,
+        type=bool,
+        help="always ship the KV over DecodeStream in slices (else only above --kv-stream-threshold-bytes)",
+    )
+    parser.add_flag("--kv-stream-threshold-bytes", default=64 << 20, type=int, help="stream a KV larger than this")
+    parser.add_flag("--kv-chunk-bytes", default=4 << 20, type=int, help="bytes of KV per DecodeStream chunk")
     parser.add_flag(
         "--num-speculative-tokens", default=4, type=int, help="K of a request that does not set it (0 = off)"
     )
@@ -86,8 +94,11 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
             parser.error(f"--api-key-file: expected a key in {args.api_key_file}, got an empty file")
     engine = PrefillConfig(
         draft_law=DraftLaw(args.draft_sampling),
-        proposal_encoding=ProposalEncoding(args.proposal_encoding),
+        proposal_encoding=None if args.proposal_encoding == "auto" else ProposalEncoding(args.proposal_encoding),
         compact_encodings=args.compact_encodings,
+        kv_streaming=args.kv_streaming,
+        kv_stream_threshold_bytes=args.kv_stream_threshold_bytes,
+        kv_chunk_bytes=args.kv_chunk_bytes,
         max_speculative_tokens=args.max_speculative_tokens,
         num_speculative_tokens=args.num_speculative_tokens,
         default_max_new_tokens=args.default_max_new_tokens,

@@ -19,7 +19,6 @@ from engine.proposer import draft_tokens
 from models.pair import ModelPair
 from pdspec.stopping import finish_reason
 from protos import pdspec_pb2
-from protos.codec import encode_tensor
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
 from protos.validation import (
     RequestLimits,
@@ -29,6 +28,7 @@ from protos.validation import (
     check_request_id,
     check_sampling,
 )
+from protos.wire import WireDecodeRequest
 from sampling import RequestRng, SamplingParams, SamplingTensors, sample_target
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
@@ -37,13 +37,24 @@ from sampling.proposal import DraftLaw
 @dataclass(frozen=True)
 class PrefillConfig:
     draft_law: DraftLaw = DraftLaw.POINT_MASS
-    proposal_encoding: ProposalEncoding = ProposalEncoding.DENSE
+    # None: the exact default for the law (POINT_MASS for a point mass, DENSE otherwise)
+    proposal_encoding: ProposalEncoding | None = None
     compact_encodings: bool = False  # pick POINT_MASS / SPARSE automatically (smallest exact)
+    # KV over the DecodeStream RPC in slices of kv_chunk_bytes: always, or when it is larger
+    # than kv_stream_threshold_bytes (else in the one Decode message)
+    kv_streaming: bool = False
+    kv_stream_threshold_bytes: int = 64 << 20
+    kv_chunk_bytes: int = 4 << 20
     max_speculative_tokens: int = 8  # lowered to the decode peer's when it reports less
     num_speculative_tokens: int = 4  # K of a request that does not say (clamped to the maximum)
     default_max_new_tokens: int = 64
     limits: RequestLimits = field(default_factory=RequestLimits)
     device: str = "cpu"  # where sampling runs: the models' device
+
+    @property
+    def encoding(self) -> ProposalEncoding:
+        """The encoding this node ships (reported in GetInfo)."""
+        return choose_encoding(self.proposal_encoding, self.draft_law, self.compact_encodings)
 
     def __post_init__(self) -> None:
         if self.proposal_encoding is ProposalEncoding.POINT_MASS and self.draft_law is not DraftLaw.POINT_MASS:
@@ -70,8 +81,18 @@ class Prefilled:
     first_token: int
     first_logprob: TokenLogprob | None  # when the request asked for logprobs
     finish_reason: str  # "" while the request goes on to the decode node
-    decode_request: pdspec_pb2.DecodeRequest | None
+    wire: WireDecodeRequest | None  # header + payload views; its kv_cache entries are the KV's
     encoding: ProposalEncoding | None
+    kv: list[torch.Tensor] = field(default_factory=list)  # the exported KV (the wire's payloads view it)
+
+    @property
+    def decode_request(self) -> pdspec_pb2.DecodeRequest | None:
+        """The whole standard message (payloads copied in): tests and tools."""
+        return None if self.wire is None else self.wire.to_message()
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv)
 
 
 class PrefillEngine:
@@ -144,7 +165,7 @@ class PrefillEngine:
                 kv = pair.target.export_state(target_state)
             finally:
                 pair.target.release(target_state)  # the KV lives on in `kv` (and then on the wire)
-        decode = pdspec_pb2.DecodeRequest(
+        header = pdspec_pb2.DecodeRequest(
             request_id=checked.request_id,
             protocol_version=self.contract.protocol_version,
             contract_fingerprint=self.fingerprint,
@@ -153,13 +174,26 @@ class PrefillEngine:
             num_speculative_tokens=k,
             sampling=sampling,
         )
-        encoding = choose_encoding(self.config.proposal_encoding, self.config.draft_law, self.config.compact_encodings)
+        wire = WireDecodeRequest(header)
+        encoding = self.config.encoding
         encode_proposal(
-            pair.d2t.map_tokens(draft_ids), draft_ids, draft_probs, pair.draft.vocab_size, encoding, out=decode.proposal
+            pair.d2t.map_tokens(draft_ids),
+            draft_ids,
+            draft_probs,
+            pair.draft.vocab_size,
+            encoding,
+            out=header.proposal,
+            set_tensor=lambda name, tensor: wire.set_tensor(f"proposal.{name}", tensor),
         )
-        for tensor in kv:
-            encode_tensor(tensor, out=decode.kv_cache.add())
-        return Prefilled(first, first_logprob, "", decode, encoding)
+        if not self.streams(kv):
+            for i, tensor in enumerate(kv):
+                wire.set_tensor(f"kv_cache[{i}]", tensor)  # a view: no copy until the one join
+        return Prefilled(first, first_logprob, "", wire, encoding, kv)
+
+    def streams(self, kv: list[torch.Tensor]) -> bool:
+        """Whether this KV goes over DecodeStream (see PrefillConfig.kv_streaming)."""
+        size = sum(t.numel() * t.element_size() for t in kv)
+        return self.config.kv_streaming or size > self.config.kv_stream_threshold_bytes
 
     def _propose(
         self, ids: list[int], first: int, k: int, rows: SamplingTensors, rng: RequestRng

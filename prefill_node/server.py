@@ -32,6 +32,7 @@ from prefill_node.service import GenerationService, RequestFailed
 from prefill_node.watchdog import StallWatchdog
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.contract import max_message_bytes
+from protos.rpc import DecodeStub
 from protos.status import to_grpc_status
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class DecodePeer:
         if config.decode_addr.startswith("dns:"):
             options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})))
         self.channel = channel(config.decode_addr, config.decode_tls, options)
-        self.stub = pdspec_pb2_grpc.DecodeServiceStub(self.channel)
+        self.stub = DecodeStub(self.channel)  # the zero-copy codec (protos/wire.py)
         self.engine = engine
         self.config = config
         self.on_change = on_change
@@ -267,7 +268,7 @@ def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.No
         target_model=contract.target_model,
         draft_model=contract.draft_model,
         draft_law=config.engine.draft_law.value,
-        proposal_encoding=config.engine.proposal_encoding.value,
+        proposal_encoding=config.engine.encoding.value,
         version=pdspec.__version__,
         max_new_tokens_limit=limits.max_new_tokens,
         max_prompt_tokens=limits.max_prompt_tokens,

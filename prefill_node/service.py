@@ -24,6 +24,7 @@ from prefill_node.watchdog import StallWatchdog
 from protos import pdspec_pb2
 from protos.status import ended_status
 from protos.validation import Violation
+from protos.wire import stream_chunks
 from sampling.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -170,10 +171,14 @@ class GenerationService:
         if not call.is_active():  # the client left while we prefilled: start nothing
             record.code = ended_status(call)
             return
-        decode = prefilled.decode_request
-        self.metrics.proposal_bytes.labels("prefill", prefilled.encoding.value).inc(decode.proposal.ByteSize())
-        self.metrics.kv_bytes.labels("prefill").inc(sum(len(t.data) for t in decode.kv_cache))
-        relay = self.peer.stub.Decode(decode, timeout=decode_timeout(call))
+        wire = prefilled.wire
+        self.metrics.proposal_bytes.labels("prefill", prefilled.encoding.value).inc(wire.header.proposal.ByteSize())
+        self.metrics.kv_bytes.labels("prefill").inc(prefilled.kv_bytes)
+        if len(wire.header.kv_cache) or not prefilled.kv:  # the KV inline: one Decode message
+            relay = self.peer.stub.Decode(wire, timeout=decode_timeout(call))
+        else:  # DecodeStream: header + manifest, then the KV in slices
+            chunks = stream_chunks(wire, prefilled.kv, self.engine.config.kv_chunk_bytes)
+            relay = self.peer.stub.DecodeStream(chunks, timeout=decode_timeout(call))
         # A client cancel cancels the decode stream; add_callback returns False when the call
         # already ended, and then nothing would call it.
         if not call.add_callback(relay.cancel):

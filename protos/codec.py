@@ -81,9 +81,17 @@ def check_tensor(pb: pdspec_pb2.TensorPB) -> None:
     _check_declared(pb, len(pb.data))
 
 
-def decode_tensor(pb: pdspec_pb2.TensorPB, device: torch.device | str = "cpu") -> torch.Tensor:
-    """TensorPB -> tensor on `device`, after the checks of check_tensor; one payload copy."""
-    data = pb.data  # under upb/cpp a private copy, the one copy (module doc)
+def decode_tensor(
+    pb: pdspec_pb2.TensorPB, device: torch.device | str = "cpu", data: bytes | memoryview | None = None
+) -> torch.Tensor:
+    """TensorPB -> tensor on `device`, after the checks of check_tensor; one payload copy.
+
+    `data`: the payload when it is not in `pb` (protos/wire.py: a view of the received
+    message, which the tensor then shares: no copy on a CPU, one host-to-device copy on
+    a GPU). The view is read-only memory: the tensor must not be written in place."""
+    shared = data is not None
+    if data is None:
+        data = pb.data  # under upb/cpp a private copy, the one copy (module doc)
     _check_declared(pb, len(data))
     dtype = TORCH_DTYPES[pb.data_type]
     shape = tuple(pb.shape)
@@ -95,7 +103,7 @@ def decode_tensor(pb: pdspec_pb2.TensorPB, device: torch.device | str = "cpu") -
     device = torch.device(device)
     if device.type != "cpu":
         return view.to(device)
-    return view if _FIELD_READ_COPIES else view.clone()
+    return view if shared or _FIELD_READ_COPIES else view.clone()
 
 
 def _check_declared(pb: pdspec_pb2.TensorPB, data_len: int) -> None:

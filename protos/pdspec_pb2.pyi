@@ -153,6 +153,26 @@ class DecodeRequest(_message.Message):
     kv_cache: _containers.RepeatedCompositeFieldContainer[TensorPB]
     def __init__(self, request_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., kv_cache: _Optional[_Iterable[_Union[TensorPB, _Mapping]]] = ...) -> None: ...
 
+class DecodeChunk(_message.Message):
+    __slots__ = ("request", "kv_manifest", "kv")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    KV_MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    request: DecodeRequest
+    kv_manifest: _containers.RepeatedCompositeFieldContainer[TensorPB]
+    kv: KvChunk
+    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., kv_manifest: _Optional[_Iterable[_Union[TensorPB, _Mapping]]] = ..., kv: _Optional[_Union[KvChunk, _Mapping]] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("tensor_index", "offset", "data")
+    TENSOR_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    tensor_index: int
+    offset: int
+    data: bytes
+    def __init__(self, tensor_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -154,6 +154,11 @@ class DecodeServiceStub:
                 request_serializer=protos_dot_pdspec__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=protos_dot_pdspec__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/pdspec.v1.DecodeService/DecodeStream',
+                request_serializer=protos_dot_pdspec__pb2.DecodeChunk.SerializeToString,
+                response_deserializer=protos_dot_pdspec__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/pdspec.v1.DecodeService/GetInfo',
                 request_serializer=protos_dot_pdspec__pb2.InfoRequest.SerializeToString,
@@ -165,6 +170,12 @@ class DecodeServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeStream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -182,6 +193,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=protos_dot_pdspec__pb2.DecodeRequest.FromString,
+                    response_serializer=protos_dot_pdspec__pb2.GenerateResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=protos_dot_pdspec__pb2.DecodeChunk.FromString,
                     response_serializer=protos_dot_pdspec__pb2.GenerateResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
@@ -216,6 +232,33 @@ class DecodeService:
             target,
             '/pdspec.v1.DecodeService/Decode',
             protos_dot_pdspec__pb2.DecodeRequest.SerializeToString,
+            protos_dot_pdspec__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdspec.v1.DecodeService/DecodeStream',
+            protos_dot_pdspec__pb2.DecodeChunk.SerializeToString,
             protos_dot_pdspec__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,

@@ -1,4 +1,7 @@
-"""Proposal encodings: DENSE (default), POINT_MASS and SPARSE (DESIGN.md §3).
+"""Proposal encodings: DENSE, POINT_MASS and SPARSE (DESIGN.md §3).
+
+Defaults (`choose_encoding` with no configured encoding): a point-mass law ships
+POINT_MASS (ids only), a stochastic law DENSE FP32; `compact` makes the latter SPARSE.
 
 All three carry the exact distribution each draft token was drawn from:
 * DENSE: FP32 [K, draft_vocab_size], draft-vocabulary space; a point-mass law ships
@@ -11,6 +14,7 @@ All three carry the exact distribution each draft token was drawn from:
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 
@@ -27,11 +31,14 @@ class ProposalEncoding(enum.Enum):
     SPARSE = "sparse"
 
 
-def choose_encoding(configured: ProposalEncoding, law: DraftLaw, compact: bool) -> ProposalEncoding:
-    """The operator's encoding, or with `compact` the smallest exact one for the law."""
-    if not compact:
-        return configured
-    return ProposalEncoding.POINT_MASS if law is DraftLaw.POINT_MASS else ProposalEncoding.SPARSE
+def choose_encoding(configured: ProposalEncoding | None, law: DraftLaw, compact: bool) -> ProposalEncoding:
+    """With `compact` the smallest exact encoding for the law; else the operator's, and
+    with none configured the exact default: POINT_MASS for a point mass, DENSE otherwise."""
+    if law is DraftLaw.POINT_MASS and (compact or configured is None):
+        return ProposalEncoding.POINT_MASS
+    if compact:
+        return ProposalEncoding.SPARSE
+    return configured or ProposalEncoding.DENSE
 
 
 def encode_proposal(
@@ -41,11 +48,20 @@ def encode_proposal(
     draft_vocab_size: int,
     encoding: ProposalEncoding = ProposalEncoding.DENSE,
     out: pdspec_pb2.Proposal | None = None,
+    set_tensor: Callable[[str, torch.Tensor], object] | None = None,
 ) -> pdspec_pb2.Proposal:
-    """The Proposal message; pass `out` (e.g. `request.proposal`) to fill it in place."""
+    """The Proposal message; pass `out` (e.g. `request.proposal`) to fill it in place, and
+    `set_tensor(name, tensor)` to ship the tensors another way (protos.wire: as views)."""
     k = int(target_token_ids.shape[0])
     proposal = pdspec_pb2.Proposal() if out is None else out
     proposal.Clear()
+
+    def put(name: str, tensor: torch.Tensor) -> None:
+        if set_tensor is None:
+            encode_tensor(tensor, out=getattr(proposal, name))
+        else:
+            set_tensor(name, tensor)
+
     proposal.token_ids[:] = target_token_ids.tolist()
     if encoding is ProposalEncoding.POINT_MASS:
         if draft_probs is not None:
@@ -59,12 +75,12 @@ def encode_proposal(
     probs = probs.detach().float().cpu()
     if encoding is ProposalEncoding.DENSE:
         proposal.encoding = Encoding.DENSE
-        encode_tensor(probs.reshape(k, draft_vocab_size), out=proposal.probs)
+        put("probs", probs.reshape(k, draft_vocab_size))
         return proposal
     ids, values = sparse_support(probs)
     proposal.encoding = Encoding.SPARSE
-    encode_tensor(ids, out=proposal.sparse_ids)
-    encode_tensor(values, out=proposal.sparse_probs)
+    put("sparse_ids", ids)
+    put("sparse_probs", values)
     return proposal
 
 

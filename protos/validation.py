@@ -11,6 +11,7 @@ message size) and the target-space probabilities (bounded by the node's K_max x 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ from sampling.params import InvalidParameter
 
 Encoding = pdspec_pb2.Proposal.Encoding
 DataType = pdspec_pb2.TensorPB.DataType
+Buffer = bytes | memoryview
 ROW_SUM_TOLERANCE = 1e-3
 
 
@@ -99,8 +101,21 @@ class DecodeInput:
         return int(self.draft_token_ids.shape[0])
 
 
-def validate_decode_request(request: pdspec_pb2.DecodeRequest, receiver: Receiver) -> DecodeInput | list[Violation]:
-    """Every row of the §3 table; returns the decoded input or the violations found."""
+def validate_decode_request(
+    request: pdspec_pb2.DecodeRequest,
+    receiver: Receiver,
+    payloads: Mapping[str, Buffer] | None = None,
+    kv_manifest: Sequence[pdspec_pb2.TensorPB] | None = None,
+) -> DecodeInput | list[Violation]:
+    """Every row of the §3 table; returns the decoded input or the violations found.
+
+    `payloads`: the tensor bytes by path ("proposal.probs", "kv_cache[3]") when they were
+    left out of `request` (protos/wire.py parses them as views of the received buffer);
+    a TensorPB with no entry uses its own `data`. `kv_manifest` (DecodeStream): the KV
+    arrives later in chunks; its declared tensors (data empty) are checked against the
+    contract instead, `request.kv_cache` must be empty, and DecodeInput.kv_cache is [].
+    """
+    payloads = payloads or {}
     contract = receiver.contract
     precondition = _check_contract(request, contract)
     if precondition:
@@ -125,8 +140,14 @@ def validate_decode_request(request: pdspec_pb2.DecodeRequest, receiver: Receive
             Violation("proposal.token_ids", f"{k} ids (num_speculative_tokens)", f"{len(proposal.token_ids)} ids")
         )
     check_ids("proposal.token_ids", proposal.token_ids, vocab, found)
-    kv_cache = _decode_kv(request.kv_cache, contract, len(request.prompt_token_ids), found)
-    draft_probs = _decode_proposal(proposal, k, receiver, found)
+    if kv_manifest is None:
+        kv_cache = _decode_kv(request.kv_cache, contract, len(request.prompt_token_ids), found, payloads)
+    else:
+        kv_cache = []
+        if len(request.kv_cache):
+            found.append(Violation("kv_cache", "0 tensors with a kv_manifest (streamed)", f"{len(request.kv_cache)}"))
+        check_kv_manifest(kv_manifest, contract, len(request.prompt_token_ids), found)
+    draft_probs = _decode_proposal(proposal, k, receiver, found, payloads)
     if found:
         return found
     draft_token_ids = torch.tensor(list(proposal.token_ids), dtype=torch.int64)
@@ -236,27 +257,41 @@ def check_ids(name: str, ids, vocab: int, found: list[Violation]) -> None:
 
 
 def _decode_checked(
-    name: str, pb: pdspec_pb2.TensorPB, dtype: int, rank: int, shape: list[int] | None, found: list[Violation]
+    name: str,
+    pb: pdspec_pb2.TensorPB,
+    dtype: int,
+    rank: int,
+    shape: list[int] | None,
+    found: list[Violation],
+    payloads: Mapping[str, Buffer],
 ) -> torch.Tensor | None:
     """Declared dtype/rank/shape and byte length first (no allocation), then decode."""
-    if pb.data_type != dtype:
-        found.append(Violation(f"{name}.data_type", DataType.Name(dtype), dtype_name(pb.data_type)))
-        return None
-    if len(pb.shape) != rank:
-        found.append(Violation(f"{name}.shape", f"rank {rank}", f"rank {len(pb.shape)} {list(pb.shape)}"))
-        return None
-    if shape is not None and list(pb.shape) != shape:
-        found.append(Violation(f"{name}.shape", str(shape), str(list(pb.shape))))
+    if not _check_declared(name, pb, dtype, rank, shape, found):
         return None
     try:
-        return decode_tensor(pb)  # checks the byte length against the shape before allocating
+        return decode_tensor(pb, data=payloads.get(name))  # checks the byte length against the shape first
     except TensorDecodeError as err:
         found.append(Violation(f"{name}.{err.field}", err.expected, err.actual))
         return None
 
 
+def _check_declared(
+    name: str, pb: pdspec_pb2.TensorPB, dtype: int, rank: int, shape: list[int] | None, found: list[Violation]
+) -> bool:
+    if pb.data_type != dtype:
+        found.append(Violation(f"{name}.data_type", DataType.Name(dtype), dtype_name(pb.data_type)))
+        return False
+    if len(pb.shape) != rank:
+        found.append(Violation(f"{name}.shape", f"rank {rank}", f"rank {len(pb.shape)} {list(pb.shape)}"))
+        return False
+    if shape is not None and list(pb.shape) != shape:
+        found.append(Violation(f"{name}.shape", str(shape), str(list(pb.shape))))
+        return False
+    return True
+
+
 def _decode_proposal(
-    proposal: pdspec_pb2.Proposal, k: int, receiver: Receiver, found: list[Violation]
+    proposal: pdspec_pb2.Proposal, k: int, receiver: Receiver, found: list[Violation], payloads: Mapping[str, Buffer]
 ) -> torch.Tensor | None:
     """Target-space [K, Vt] probabilities (DENSE, SPARSE) or None (POINT_MASS)."""
     vd = receiver.contract.draft_vocab_size
@@ -275,12 +310,12 @@ def _decode_proposal(
     if found or encoding == Encoding.POINT_MASS:
         return None
     if encoding == Encoding.DENSE:
-        probs = _decode_checked("proposal.probs", proposal.probs, DataType.FP32, 2, [k, vd], found)
+        probs = _decode_checked("proposal.probs", proposal.probs, DataType.FP32, 2, [k, vd], found, payloads)
         if probs is None or not _check_distribution("proposal.probs", probs, found):
             return None
         return receiver.d2t_map.map_probs(probs)
-    ids = _decode_checked("proposal.sparse_ids", proposal.sparse_ids, DataType.INT32, 2, None, found)
-    values = _decode_checked("proposal.sparse_probs", proposal.sparse_probs, DataType.FP32, 2, None, found)
+    ids = _decode_checked("proposal.sparse_ids", proposal.sparse_ids, DataType.INT32, 2, None, found, payloads)
+    values = _decode_checked("proposal.sparse_probs", proposal.sparse_probs, DataType.FP32, 2, None, found, payloads)
     if ids is None or values is None:
         return None
     if ids.shape[0] != k or values.shape != ids.shape:
@@ -341,7 +376,9 @@ def _check_support(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor, fou
         )
 
 
-def _decode_kv(tensors, contract: Contract, prompt_len: int, found: list[Violation]) -> list[torch.Tensor]:
+def _decode_kv(
+    tensors, contract: Contract, prompt_len: int, found: list[Violation], payloads: Mapping[str, Buffer]
+) -> list[torch.Tensor]:
     specs = contract.kv_layout
     if len(tensors) != len(specs):
         found.append(Violation("kv_cache", f"{len(specs)} tensors", f"{len(tensors)} tensors"))
@@ -349,8 +386,27 @@ def _decode_kv(tensors, contract: Contract, prompt_len: int, found: list[Violati
     out = []
     for i, (pb, spec) in enumerate(zip(tensors, specs, strict=True)):
         tensor = _decode_checked(
-            f"kv_cache[{i}]", pb, WIRE_DTYPES[spec.dtype], len(spec.shape), list(spec.shape_for(prompt_len)), found
+            f"kv_cache[{i}]",
+            pb,
+            WIRE_DTYPES[spec.dtype],
+            len(spec.shape),
+            list(spec.shape_for(prompt_len)),
+            found,
+            payloads,
         )
         if tensor is not None:
             out.append(tensor)
     return out
+
+
+def check_kv_manifest(
+    manifest: Sequence[pdspec_pb2.TensorPB], contract: Contract, prompt_len: int, found: list[Violation]
+) -> None:
+    """The streamed KV's declared tensors against the contract (nothing allocated here)."""
+    specs = contract.kv_layout
+    if len(manifest) != len(specs):
+        found.append(Violation("kv_manifest", f"{len(specs)} tensors", f"{len(manifest)} tensors"))
+        return
+    for i, (pb, spec) in enumerate(zip(manifest, specs, strict=True)):
+        shape = list(spec.shape_for(prompt_len))
+        _check_declared(f"kv_manifest[{i}]", pb, WIRE_DTYPES[spec.dtype], len(spec.shape), shape, found)

@@ -3,6 +3,7 @@
 import threading
 import time
 import urllib.request
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -10,7 +11,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from decode_node.engine import DecodeConfig
-from prefill_node.engine import PrefillConfig
+from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.proposal import ProposalEncoding
 from protos.status import field_violations
@@ -123,7 +124,11 @@ def test_bad_decode_requests_through_the_running_decode_node(nodes):
         num_speculative_tokens=3,
         sampling=pdspec_pb2.SamplingParams(do_sample=True, max_new_tokens=10),
     )
-    good = prefill.engine.prefill(prefill.engine.check(request)).decode_request
+    # DENSE explicitly (the default for this point-mass law is POINT_MASS): probs to mutate
+    engine = PrefillEngine(
+        prefill.engine.pair, replace(prefill.engine.config, proposal_encoding=ProposalEncoding.DENSE)
+    )
+    good = engine.prefill(engine.check(request)).decode_request
     stub = pdspec_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(f"127.0.0.1:{decode.port}"))
     mutations = {
         "protocol_version": (lambda r: setattr(r, "protocol_version", 9), grpc.StatusCode.FAILED_PRECONDITION),

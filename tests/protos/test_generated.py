@@ -82,6 +82,8 @@ FIXED = {
 
 # Fields added after the fixed contract: new numbers only, never a renumbered fixed one.
 ADDED = {
+    "DecodeChunk": {"request": 1, "kv_manifest": 2, "kv": 3},
+    "KvChunk": {"tensor_index": 1, "offset": 2, "data": 3},
     "SamplingParams": {"logprobs": 8},
     "GenerateRequest": {"stop": 6},
     "GenerateResponse": {"logprobs": 7},
@@ -133,6 +135,6 @@ def test_fixed_enums_and_services():
     }
     services = pdspec_pb2.DESCRIPTOR.services_by_name
     assert {m.name for m in services["PrefillService"].methods} == {"Generate", "GetInfo"}
-    assert {m.name for m in services["DecodeService"].methods} == {"Decode", "GetInfo"}
+    assert {m.name for m in services["DecodeService"].methods} == {"Decode", "DecodeStream", "GetInfo"}
     assert services["DecodeService"].methods_by_name["Decode"].server_streaming
     assert hasattr(pdspec_pb2_grpc, "DecodeServiceStub") and hasattr(pdspec_pb2_grpc, "PrefillServiceServicer")

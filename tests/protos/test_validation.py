@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import protos.validation as validation
-from protos import pdspec_pb2
+from protos import pdspec_pb2, wire
 from protos.codec import encode_tensor
 from protos.proposal import ProposalEncoding
 from protos.validation import Code, DecodeInput, validate_decode_request
@@ -316,14 +316,25 @@ def test_fuzzed_messages(monkeypatch, encoding, k, seed, mutations):
     allocated = []
     real_decode = validation.decode_tensor
 
-    def counting_decode(pb, device="cpu"):
-        tensor = real_decode(pb, device)
+    def counting_decode(pb, device="cpu", data=None):
+        tensor = real_decode(pb, device, data)
         allocated.append(tensor.numel() * tensor.element_size())
         return tensor
 
     monkeypatch.setattr(validation, "decode_tensor", counting_decode)
     result = validate_decode_request(request, RECEIVER)
     assert sum(allocated) <= carried
+    # the zero-copy parser (payload views of the received bytes) gives the same verdict
+    parsed = wire.parse_decode_request(request.SerializeToString())
+    assert parsed.error is None and parsed.to_message() == request
+    via_wire = validate_decode_request(parsed.header, RECEIVER, parsed.payloads)
+    if isinstance(result, DecodeInput):
+        assert isinstance(via_wire, DecodeInput)
+        assert all(torch.equal(a, b) for a, b in zip(result.kv_cache, via_wire.kv_cache, strict=True))
+        assert (result.draft_probs is None) == (via_wire.draft_probs is None)
+        assert result.draft_probs is None or torch.equal(result.draft_probs, via_wire.draft_probs)
+    else:
+        assert via_wire == result
     if isinstance(result, DecodeInput):
         k = result.num_speculative_tokens
         assert result.draft_token_ids.shape == (k,)

@@ -1,0 +1,401 @@
+"""Zero-copy wire codec for DecodeRequest and DecodeChunk (the big `bytes data` fields).
+
+Encoding: the small fields (ids, sampling, each TensorPB's data_type and shape) are
+serialized by protobuf; every tensor's payload is spliced in as a length-delimited field
+from a memoryview of the contiguous host tensor (pinned when it came from a GPU). The
+message is a list of buffers joined ONCE into the `bytes` gRPC sends: that join is the
+only copy of the payload on the way out. With no unknown fields the bytes are exactly
+those of `DecodeRequest.SerializeToString()` (fields in number order).
+
+Decoding walks the protobuf wire format (tags, varints, lengths) of only what the
+request needs: every field except the TensorPB `data` fields is handed to the standard
+parser (so presence, packed/unpacked repeated fields, unknown fields, repeated
+occurrences of a singular message — merged, a later scalar winning — read exactly as
+`pdspec_pb2` reads them), and each `data` field becomes a memoryview of the received
+buffer in a side table keyed by its path ("proposal.probs", "kv_cache[3]"). Nothing is
+allocated by what a length or a shape claims: lengths are checked against the bytes
+received while walking, and protos/validation.py checks the declared shapes against the
+payload lengths before a tensor view is made. Malformed input (a truncated varint, a
+length past the end, field number 0, wire types 3/4/6/7 — groups are not used by
+pdspec.proto and are refused) gives a `Parsed*` with `error` set: the servicer answers
+INVALID_ARGUMENT, never an exception inside gRPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from google.protobuf.message import DecodeError
+
+from protos import pdspec_pb2
+from protos.codec import WIRE_DTYPES
+from protos.validation import Violation
+
+_LEN = 2
+_MAX_FIELD = (1 << 29) - 1
+PROPOSAL_TENSORS = (("probs", 3), ("sparse_ids", 4), ("sparse_probs", 5))
+Buffer = bytes | memoryview
+
+
+class WireError(ValueError):
+    """Bytes that are not a well-formed protobuf message."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        where = where.strip(".") or "request"
+        super().__init__(f"{where}: {problem}")
+        self.where, self.problem = where, problem
+
+    def violation(self) -> Violation:
+        return Violation(self.where, "a well-formed protobuf message", self.problem)
+
+
+# -- encoding -----------------------------------------------------------------------------
+def varint(value: int) -> bytes:
+    value &= (1 << 64) - 1  # negative int64: ten bytes of two's complement, as protobuf writes it
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _len_field(number: int, parts: Sequence[Buffer]) -> list[Buffer]:
+    return [varint(number << 3 | _LEN) + varint(sum(len(p) for p in parts)), *parts]
+
+
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A read-only byte view of `tensor`'s C-order contents; a copy only when it is not a
+    contiguous CPU tensor (a GPU tensor lands in pinned host memory)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+        host.copy_(t)
+        t = host
+    t = t.contiguous()
+    if not t.numel():
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).toreadonly()
+
+
+def tensor_header(tensor: torch.Tensor, out: pdspec_pb2.TensorPB) -> memoryview:
+    """Fill `out`'s data_type and shape (data left empty); return the payload view."""
+    if tensor.dtype not in WIRE_DTYPES:
+        raise ValueError(f"tensor: expected dtype in {sorted(map(str, WIRE_DTYPES))}, got {tensor.dtype}")
+    out.Clear()
+    out.data_type = WIRE_DTYPES[tensor.dtype]
+    out.shape[:] = list(tensor.shape)
+    return host_bytes(tensor)
+
+
+def _tensor_parts(pb: pdspec_pb2.TensorPB, data: Buffer | None) -> list[Buffer]:
+    """A TensorPB's content: its header by protobuf, then the payload (inline data if no view)."""
+    if data is None:
+        data = pb.data
+    if pb.data:
+        pb = pdspec_pb2.TensorPB(data_type=pb.data_type, shape=pb.shape)
+    head = pb.SerializeToString()
+    if not len(data):
+        return [head]
+    return [head, varint(3 << 3 | _LEN) + varint(len(data)), data]
+
+
+class WireDecodeRequest:
+    """A DecodeRequest whose tensor payloads are views: `header` holds every field, each
+    TensorPB there with its data_type and shape; its bytes are `payloads[path]` (a path
+    with no entry uses the TensorPB's own `data`)."""
+
+    def __init__(self, header: pdspec_pb2.DecodeRequest, payloads: dict[str, Buffer] | None = None) -> None:
+        self.header = header
+        self.payloads: dict[str, Buffer] = payloads or {}
+
+    def set_tensor(self, path: str, tensor: torch.Tensor) -> None:
+        """Ship `tensor` at "proposal.probs" / "proposal.sparse_ids" / ... / "kv_cache[i]"."""
+        if path.startswith("kv_cache["):
+            index = int(path[len("kv_cache[") : -1])
+            while len(self.header.kv_cache) <= index:
+                self.header.kv_cache.add()
+            pb = self.header.kv_cache[index]
+        else:
+            pb = getattr(self.header.proposal, path.removeprefix("proposal."))
+        self.payloads[path] = tensor_header(tensor, pb)
+
+    def buffers(self) -> list[Buffer]:
+        header = self.header
+        top = pdspec_pb2.DecodeRequest()
+        top.CopyFrom(header)
+        top.ClearField("proposal")
+        top.ClearField("kv_cache")
+        parts: list[Buffer] = [top.SerializeToString()]
+        if header.HasField("proposal"):
+            proposal = header.proposal
+            head = pdspec_pb2.Proposal()
+            head.CopyFrom(proposal)
+            inner: list[Buffer] = []
+            for name, number in PROPOSAL_TENSORS:
+                head.ClearField(name)
+                if proposal.HasField(name):
+                    inner += _len_field(
+                        number, _tensor_parts(getattr(proposal, name), self.payloads.get(f"proposal.{name}"))
+                    )
+            parts += _len_field(8, [head.SerializeToString(), *inner])
+        for i, pb in enumerate(header.kv_cache):
+            parts += _len_field(9, _tensor_parts(pb, self.payloads.get(f"kv_cache[{i}]")))
+        return parts
+
+    def SerializeToString(self) -> bytes:
+        return b"".join(self.buffers())
+
+    def to_message(self) -> pdspec_pb2.DecodeRequest:
+        """The standard message (parsed from the wire bytes): for tests and tools."""
+        return pdspec_pb2.DecodeRequest.FromString(self.SerializeToString())
+
+    @property
+    def request_id(self) -> str:
+        return self.header.request_id
+
+    def payload_bytes(self, prefix: str) -> int:
+        own = {f"proposal.{n}": getattr(self.header.proposal, n) for n, _ in PROPOSAL_TENSORS}
+        own |= {f"kv_cache[{i}]": pb for i, pb in enumerate(self.header.kv_cache)}
+        return sum(len(self.payloads.get(p, pb.data)) for p, pb in own.items() if p.startswith(prefix))
+
+
+@dataclass
+class KvChunkOut:
+    """One DecodeChunk carrying bytes [offset, offset + len(data)) of KV tensor `index`."""
+
+    index: int
+    offset: int
+    data: Buffer
+
+    def buffers(self) -> list[Buffer]:
+        head = pdspec_pb2.KvChunk(tensor_index=self.index, offset=self.offset).SerializeToString()
+        inner = [head, varint(3 << 3 | _LEN) + varint(len(self.data)), self.data] if len(self.data) else [head]
+        return _len_field(3, inner)
+
+    def SerializeToString(self) -> bytes:
+        return b"".join(self.buffers())
+
+
+@dataclass
+class HeaderChunkOut:
+    """The first DecodeChunk: the request (kv_cache empty) and the KV manifest."""
+
+    request: WireDecodeRequest
+    manifest: Sequence[pdspec_pb2.TensorPB]
+
+    def SerializeToString(self) -> bytes:
+        parts = _len_field(1, self.request.buffers())
+        for pb in self.manifest:
+            parts += _len_field(2, [pb.SerializeToString()])
+        return b"".join(parts)
+
+
+def stream_chunks(
+    request: WireDecodeRequest, kv: Sequence[torch.Tensor], chunk_bytes: int
+) -> Iterator[HeaderChunkOut | KvChunkOut]:
+    """The DecodeStream messages of a request: header + manifest, then the KV in slices of
+    at most `chunk_bytes`, tensor by tensor (each tensor's bytes viewed when it is reached)."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes: expected >= 1, got {chunk_bytes}")
+    manifest = [pdspec_pb2.TensorPB(data_type=WIRE_DTYPES[t.dtype], shape=list(t.shape)) for t in kv]
+    yield HeaderChunkOut(request, manifest)
+    for index, tensor in enumerate(kv):
+        view = host_bytes(tensor)
+        for offset in range(0, len(view), chunk_bytes):
+            yield KvChunkOut(index, offset, view[offset : offset + chunk_bytes])
+
+
+def serialize(message) -> bytes:
+    """gRPC request_serializer: a pdspec_pb2 message or one of the Wire*/Chunk* objects here."""
+    return message.SerializeToString()
+
+
+# -- decoding -----------------------------------------------------------------------------
+def _varint_at(buf: memoryview, pos: int, end: int, where: str) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end:
+            raise WireError(where, "truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift >= 70:
+            raise WireError(where, "varint longer than 10 bytes")
+
+
+def _fields(buf: memoryview, start: int, end: int, where: str) -> Iterator[tuple[int, int, int, int, int]]:
+    """(number, wire type, field start, value start, value end) of each field in [start, end)."""
+    pos = start
+    while pos < end:
+        key, value = _varint_at(buf, pos, end, where)
+        number, wire_type = key >> 3, key & 7
+        if not 1 <= number <= _MAX_FIELD:
+            raise WireError(where, f"field number {number}")
+        if wire_type == 0:
+            _, stop = _varint_at(buf, value, end, f"{where}.#{number}")
+        elif wire_type == 1:
+            stop = value + 8
+        elif wire_type == 5:
+            stop = value + 4
+        elif wire_type == _LEN:
+            length, value = _varint_at(buf, value, end, f"{where}.#{number}")
+            stop = value + length
+        else:
+            raise WireError(where, f"wire type {wire_type} (field {number})")
+        if stop > end:
+            raise WireError(f"{where}.#{number}", f"{stop - pos} bytes past the {end - pos} left")
+        yield number, wire_type, pos, value, stop
+        pos = stop
+
+
+def _split(
+    buf: memoryview, segments: Sequence[tuple[int, int]], diverted: set[int], where: str
+) -> tuple[bytes, dict[int, list[tuple[int, int]]]]:
+    """The fields of a message given as one or more segments (repeated occurrences of a
+    singular message field merge, i.e. concatenate): the bytes of every field not in
+    `diverted` (for the standard parser), and the value ranges of the length-delimited
+    `diverted` ones (a diverted number with another wire type is an unknown field to
+    protobuf, so it goes with the rest)."""
+    rest: list[memoryview] = []
+    found: dict[int, list[tuple[int, int]]] = {n: [] for n in diverted}
+    for start, end in segments:
+        for number, wire_type, at, value, stop in _fields(buf, start, end, where):
+            if number in diverted and wire_type == _LEN:
+                found[number].append((value, stop))
+            else:
+                rest.append(buf[at:stop])
+    return b"".join(rest), found
+
+
+def _merge(message, data: bytes, where: str) -> None:
+    try:
+        message.MergeFromString(data)
+    except DecodeError as err:
+        raise WireError(where, f"unparsable ({err})") from err
+
+
+def _tensor(buf: memoryview, segments, out: pdspec_pb2.TensorPB, where: str) -> memoryview | None:
+    out.SetInParent()
+    rest, found = _split(buf, segments, {3}, where)
+    _merge(out, rest, where)
+    if not found[3]:
+        return None
+    start, stop = found[3][-1]  # a singular bytes field: the last occurrence wins
+    return buf[start:stop]
+
+
+def _request(buf: memoryview, segments, where: str) -> tuple[pdspec_pb2.DecodeRequest, dict[str, memoryview]]:
+    header = pdspec_pb2.DecodeRequest()
+    rest, found = _split(buf, segments, {8, 9}, where)
+    _merge(header, rest, where)
+    payloads: dict[str, memoryview] = {}
+    if found[8]:
+        proposal = header.proposal
+        proposal.SetInParent()
+        rest, tensors = _split(buf, found[8], {n for _, n in PROPOSAL_TENSORS}, f"{where}proposal")
+        _merge(proposal, rest, f"{where}proposal")
+        for name, number in PROPOSAL_TENSORS:
+            if tensors[number]:
+                data = _tensor(buf, tensors[number], getattr(proposal, name), f"{where}proposal.{name}")
+                if data is not None:
+                    payloads[f"proposal.{name}"] = data
+    for i, segment in enumerate(found[9]):
+        data = _tensor(buf, [segment], header.kv_cache.add(), f"{where}kv_cache[{i}]")
+        if data is not None:
+            payloads[f"kv_cache[{i}]"] = data
+    return header, payloads
+
+
+@dataclass
+class ParsedDecodeRequest:
+    """A received DecodeRequest: header (TensorPB data empty) + payload views, or `error`."""
+
+    header: pdspec_pb2.DecodeRequest = field(default_factory=pdspec_pb2.DecodeRequest)
+    payloads: dict[str, memoryview] = field(default_factory=dict)
+    error: Violation | None = None
+    wire_bytes: int = 0
+    proposal_bytes: int = 0  # the serialized Proposal field's length
+
+    @property
+    def request_id(self) -> str:
+        return self.header.request_id
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(len(v) for k, v in self.payloads.items() if k.startswith("kv_cache"))
+
+    def to_message(self) -> pdspec_pb2.DecodeRequest:
+        """The full standard message (payloads copied in): for tests."""
+        message = pdspec_pb2.DecodeRequest()
+        message.CopyFrom(self.header)
+        for path, data in self.payloads.items():
+            _pb_at(message, path).data = bytes(data)
+        return message
+
+
+def _pb_at(message: pdspec_pb2.DecodeRequest, path: str) -> pdspec_pb2.TensorPB:
+    if path.startswith("kv_cache["):
+        return message.kv_cache[int(path[len("kv_cache[") : -1])]
+    return getattr(message.proposal, path.removeprefix("proposal."))
+
+
+def _proposal_length(buf: memoryview, segments) -> int:
+    return sum(stop - start for start, stop in segments)
+
+
+def parse_decode_request(data: Buffer) -> ParsedDecodeRequest:
+    """gRPC request_deserializer of Decode: never raises on bad bytes (see module doc)."""
+    buf = memoryview(data)
+    try:
+        header, payloads = _request(buf, [(0, len(buf))], "")
+        proposal = _split(buf, [(0, len(buf))], {8}, "")[1][8]
+    except WireError as err:
+        return ParsedDecodeRequest(error=err.violation(), wire_bytes=len(buf))
+    return ParsedDecodeRequest(header, payloads, None, len(buf), _proposal_length(buf, proposal))
+
+
+@dataclass
+class ParsedChunk:
+    """A received DecodeChunk: the first (request + manifest) or a KV slice, or `error`."""
+
+    request: ParsedDecodeRequest | None = None  # set when the chunk carries a request
+    manifest: list[pdspec_pb2.TensorPB] = field(default_factory=list)
+    kv: pdspec_pb2.KvChunk | None = None  # tensor_index, offset (data empty)
+    data: memoryview = field(default_factory=lambda: memoryview(b""))
+    error: Violation | None = None
+    wire_bytes: int = 0
+
+
+def parse_decode_chunk(data: Buffer) -> ParsedChunk:
+    """gRPC request_deserializer of DecodeStream: never raises on bad bytes."""
+    buf = memoryview(data)
+    try:
+        rest, found = _split(buf, [(0, len(buf))], {1, 2, 3}, "chunk.")
+        chunk = ParsedChunk(wire_bytes=len(buf))
+        _merge(pdspec_pb2.DecodeChunk(), rest, "chunk")  # unknown fields only; still well-formed
+        if found[1]:
+            header, payloads = _request(buf, found[1], "request.")
+            proposal = _split(buf, found[1], {8}, "request.")[1][8]
+            chunk.request = ParsedDecodeRequest(header, payloads, None, len(buf), _proposal_length(buf, proposal))
+        for i, segment in enumerate(found[2]):
+            pb = pdspec_pb2.TensorPB()
+            payload = _tensor(buf, [segment], pb, f"kv_manifest[{i}]")
+            if payload is not None and len(payload):
+                raise WireError(f"kv_manifest[{i}].data", f"{len(payload)} bytes (a manifest carries none)")
+            chunk.manifest.append(pb)
+        if found[3]:
+            chunk.kv = pdspec_pb2.KvChunk()
+            rest, inner = _split(buf, found[3], {3}, "kv")
+            _merge(chunk.kv, rest, "kv")
+            if inner[3]:
+                start, stop = inner[3][-1]
+                chunk.data = buf[start:stop]
+    except WireError as err:
+        return ParsedChunk(error=err.violation(), wire_bytes=len(buf))
+    return chunk
