@@ -4,6 +4,7 @@ and HTTP, unparseable requests, /metrics under idle connections, and a frozen de
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import socket
@@ -93,7 +94,7 @@ def test_tls_round_trip_with_mtls_to_decode(secure, certs, capsys):
     assert "[finished: length]" in capsys.readouterr().out
     info = ["info", *argv, "--decode-addr", f"127.0.0.1:{decode.port}", *client_cert]
     assert cli.main(info) == 0
-    assert "decode: {'role': 'decode'" in capsys.readouterr().out
+    assert json.loads(capsys.readouterr().out)["decode"]["role"] == "decode"
     https = ssl.create_default_context(cafile=ca)
     response = httpx.post(
         f"https://127.0.0.1:{prefill.http_port}/v1/completions",
@@ -169,7 +170,7 @@ def test_unparseable_requests_are_invalid_argument_and_counted(secure, certs):
             with pytest.raises(grpc.RpcError) as err:
                 list(call(GARBAGE, timeout=5))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
-        assert "unparseable" in err.value.details()
+        assert "unparseable" in err.value.details() or "well-formed protobuf" in err.value.details()
         assert requests_total(node, "INVALID_ARGUMENT") - before == 1, method
     with Client(f"127.0.0.1:{prefill.port}", tls_ca=a / "ca.pem") as keyless:  # auth first: garbage unparsed
         call = keyless.channel.unary_stream(f"/{PREFILL_SERVICE}/Generate")
