@@ -211,6 +211,13 @@ class PagedLlamaLM:
             out[i] = part
         return out
 
+    def empty_state(self) -> State:
+        return State(tokens=[], kv=PagedSeq())
+
+    def extend_last(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """[R, V]: the last position's logits of each row (prefill chunks: no other logits)."""
+        return self._run(states, [list(row) for row in ids], last_only=True)
+
     def truncate(self, state: State, length: int) -> None:
         if not 0 <= length <= len(state.tokens):
             raise ValueError(f"length: expected 0..{len(state.tokens)}, got {length}")

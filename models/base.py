@@ -50,6 +50,13 @@ class CausalLM(Protocol):
     def extend_batch(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """extend() for several requests (ragged lengths) in one call."""
 
+    def empty_state(self) -> State:
+        """A state that has consumed nothing: reserve, then extend (batched prefill)."""
+
+    def extend_last(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """extend_batch for non-empty rows, keeping only each row's last logits: [R, V] float32
+        (a prefill chunk needs no logits but its last: the head is the largest matmul)."""
+
     def truncate(self, state: State, length: int) -> None:
         """Keep the first `length` consumed tokens (drop rejected positions)."""
 
@@ -75,7 +82,11 @@ class CausalLM(Protocol):
 
 
 class GrowingKv:
-    """The reservation methods of a model whose state grows on demand (no pool to run out of)."""
+    """The reservation methods of a model whose state grows on demand (no pool to run out of),
+    and `extend_last` by way of its `extend_batch`."""
+
+    def extend_last(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        return torch.stack([rows[-1] for rows in self.extend_batch(states, ids)])
 
     def capacity_tokens(self) -> int | None:
         return None

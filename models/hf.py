@@ -97,7 +97,7 @@ class HFCausalLM(GrowingKv):
         the result is split back into one unpadded cache per request."""
         out = [torch.empty(0, self.vocab_size) for _ in states]
         live = [i for i, new in enumerate(ids) if len(new)]
-        if len(live) <= 1:
+        if len(live) <= 1 or any(not states[i].tokens for i in live):  # a fresh cache has no layers to pad
             for i in live:
                 out[i] = self.extend(states[i], ids[i])
             return out
@@ -139,6 +139,11 @@ class HFCausalLM(GrowingKv):
             states[i].tokens += new[row]
             out[i] = logits[row, : len(new[row])]
         return out
+
+    def empty_state(self) -> State:
+        from transformers import DynamicCache
+
+        return State(tokens=[], kv=DynamicCache())
 
     def truncate(self, state: State, length: int) -> None:
         if not 0 <= length <= len(state.tokens):

@@ -504,6 +504,12 @@ class LlamaCausalLM(GrowingKv):
         logits = self._run(states, rows)
         return list(logits.split([len(row) for row in rows]))
 
+    def empty_state(self) -> State:
+        return State(tokens=[], kv=self._new_cache(16))
+
+    def extend_last(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        return self._run(states, [list(row) for row in ids], last_only=True)
+
     def truncate(self, state: State, length: int) -> None:
         if not 0 <= length <= len(state.tokens):
             raise ValueError(f"length: expected 0..{len(state.tokens)}, got {length}")

@@ -140,6 +140,9 @@ class NgramModel(GrowingKv):
     def extend_batch(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         return [self.extend(state, new) for state, new in zip(states, ids, strict=True)]
 
+    def empty_state(self) -> State:
+        return State(tokens=[])
+
     def truncate(self, state: State, length: int) -> None:
         if not 0 <= length <= len(state.tokens):
             raise ValueError(f"length: expected 0..{len(state.tokens)}, got {length}")

@@ -9,6 +9,7 @@ distribution of each (DENSE / POINT_MASS / SPARSE on the wire).
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -16,11 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.proposer import draft_tokens
+from models.base import State
 from models.pair import ModelPair
 from pdspec.stopping import finish_reason
 from protos import pdspec_pb2
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
 from protos.validation import (
+    Code,
     RequestLimits,
     Violation,
     check_ids,
@@ -32,6 +35,8 @@ from protos.wire import WireDecodeRequest
 from sampling import RequestRng, SamplingParams, SamplingTensors, sample_target
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class PrefillConfig:
     max_speculative_tokens: int = 8  # lowered to the decode peer's when it reports less
     num_speculative_tokens: int = 4  # K of a request that does not say (clamped to the maximum)
     default_max_new_tokens: int = 64
+    max_prefill_tokens: int = 8192  # prompt tokens per prefill step, over all batched requests (chunking)
     limits: RequestLimits = field(default_factory=RequestLimits)
     device: str = "cpu"  # where sampling runs: the models' device
 
@@ -103,7 +109,9 @@ class PrefillEngine:
         self.fingerprint = self.contract.fingerprint()
         self.max_speculative_tokens = config.max_speculative_tokens
         self.d2t = pair.d2t.to(config.device)
-        self._lock = threading.Lock()  # model calls are serialized (models need not be thread-safe)
+        self._lock = threading.Lock()  # one caller runs the models at a time (they need not be thread-safe)
+        self._jobs_lock = threading.Lock()
+        self._jobs: list[_Job] = []
 
     def check(self, request: pdspec_pb2.GenerateRequest) -> Checked | list[Violation]:
         """GenerateRequest semantics and server limits, before any model work."""
@@ -124,6 +132,16 @@ class PrefillEngine:
                 found.append(Violation("prompt", "text of at least 1 token", "0 tokens"))
         if check_prompt_length(len(ids), limits, found):
             check_ids("prompt_token_ids", ids, vocab, found)
+        capacity = self.pair.target.capacity_tokens()
+        if capacity is not None and len(ids) > capacity:
+            found.append(
+                Violation(
+                    "prompt_token_ids",
+                    f"at most {capacity} tokens (this node's KV cache)",
+                    f"{len(ids)} tokens",
+                    Code.RESOURCE_EXHAUSTED,
+                )
+            )
         params = check_sampling(request.sampling, vocab, found, limits)
         if request.HasField("num_speculative_tokens"):
             k = request.num_speculative_tokens
@@ -139,40 +157,108 @@ class PrefillEngine:
         return Checked(request.request_id or uuid.uuid4().hex, ids, k, sampling.max_new_tokens, params, sampling)
 
     def prefill(self, checked: Checked) -> Prefilled:
-        """Run a checked request up to the DecodeRequest (or to its end)."""
-        pair = self.pair
-        ids, k, sampling = checked.ids, checked.k, checked.sampling
-        rng = RequestRng(checked.params.seed, stream="prefill")
-        device = self.config.device
-        rows = SamplingTensors.from_params([checked.params], device)
-        with self._lock:
-            logits, target_state = pair.target.prefill(ids)
-            logits = logits.to(device)
-            try:
-                uniform = rng.uniforms(1).to(device).view(1, 1)
-                first = int(sample_target(logits.view(1, 1, -1), rows, uniform).token_ids[0, 0])
-                first_logprob = (
-                    token_logprobs(logits.view(1, -1), torch.tensor([first]), sampling.logprobs)[0]
-                    if sampling.logprobs
-                    else None
-                )
-                reason = finish_reason(
-                    first, pair.target.eos_token_ids, sampling.stop_token_ids, 1, checked.max_new_tokens
-                )
-                if reason:
-                    return Prefilled(first, first_logprob, reason, None, None)
-                draft_ids, draft_probs = self._propose(ids, first, k, rows, rng)
-                kv = pair.target.export_state(target_state)
-            finally:
-                pair.target.release(target_state)  # the KV lives on in `kv` (and then on the wire)
+        """Run a checked request up to the DecodeRequest (or to its end).
+
+        Concurrent callers are batched: each queues its job, and whichever caller holds the
+        model lock runs one step for every queued job at once (one target forward over the
+        ragged prompts, chunked so a step takes at most `max_prefill_tokens` prompt tokens,
+        then the first tokens, the drafts and the KV exports of the finished ones)."""
+        job = _Job(checked, RequestRng(checked.params.seed, stream="prefill"))
+        with self._jobs_lock:
+            self._jobs.append(job)
+        while not job.done.is_set():
+            if self._lock.acquire(timeout=0.002):
+                try:
+                    if not job.done.is_set():
+                        self._step()
+                finally:
+                    self._lock.release()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _step(self) -> None:
+        target = self.pair.target
+        with self._jobs_lock:
+            jobs = list(self._jobs)
+        budget, chosen, chunks = self.config.max_prefill_tokens, [], []
+        for job in jobs:  # arrival order; a long prompt takes the budget that is left
+            if budget <= 0:
+                break
+            if job.state is None:
+                if not target.can_reserve(len(job.checked.ids)):
+                    continue  # waits until running prefills free their KV (check() refused any that never fits)
+                job.state = target.empty_state()
+                target.reserve(job.state, len(job.checked.ids))
+            chunk = job.checked.ids[job.consumed : job.consumed + budget]
+            chosen.append(job)
+            chunks.append(chunk)
+            budget -= len(chunk)
+        if not chosen:
+            return
+        try:
+            last = target.extend_last([job.state for job in chosen], chunks)  # [R, V]
+            done = []
+            for row, (job, chunk) in enumerate(zip(chosen, chunks, strict=True)):
+                job.consumed += len(chunk)
+                if job.consumed == len(job.checked.ids):
+                    done.append((job, row))
+            if done:
+                self._finish([job for job, _ in done], last[[row for _, row in done]])
+        except Exception as err:  # the step's own jobs fail; the caller running it goes on with its own
+            log.exception("prefill step failed")
+            for job in chosen:
+                if not job.done.is_set():
+                    self._end(job, error=err)
+
+    def _finish(self, jobs: list[_Job], logits: torch.Tensor) -> None:
+        """First tokens (one batched draw), drafts (one batched draft), KV exports."""
+        pair, device = self.pair, self.config.device
+        rows = SamplingTensors.from_params([job.checked.params for job in jobs], device)
+        uniforms = torch.stack([job.rng.uniforms(1) for job in jobs]).to(device)  # [R, 1]
+        logits = logits.to(device)
+        firsts = sample_target(logits[:, None], rows, uniforms).token_ids[:, 0].cpu().tolist()
+        going = []
+        for row, (job, first) in enumerate(zip(jobs, firsts, strict=True)):
+            sampling = job.checked.sampling
+            job.first = first
+            if sampling.logprobs:
+                job.first_logprob = token_logprobs(logits[row : row + 1], torch.tensor([first]), sampling.logprobs)[0]
+            reason = finish_reason(
+                first, pair.target.eos_token_ids, sampling.stop_token_ids, 1, sampling.max_new_tokens
+            )
+            if reason:
+                self._end(job, result=Prefilled(first, job.first_logprob, reason, None, None))
+            else:
+                going.append(row)
+        if not going:
+            return
+        jobs = [jobs[row] for row in going]
+        drafted = self._propose(jobs, rows.select(going))
+        for job, (draft_ids, draft_probs) in zip(jobs, drafted, strict=True):
+            kv = pair.target.export_state(job.state)
+            self._end(job, result=self._decode_request(job, draft_ids, draft_probs, kv))
+
+    def _end(self, job: _Job, *, result: Prefilled | None = None, error: BaseException | None = None) -> None:
+        if job.state is not None:
+            self.pair.target.release(job.state)  # the KV lives on in the export (and then on the wire)
+            job.state = None
+        job.result, job.error = result, error
+        with self._jobs_lock:
+            if job in self._jobs:
+                self._jobs.remove(job)
+        job.done.set()
+
+    def _decode_request(self, job: _Job, draft_ids: torch.Tensor, draft_probs, kv: list[torch.Tensor]) -> Prefilled:
+        checked, pair = job.checked, self.pair
         header = pdspec_pb2.DecodeRequest(
             request_id=checked.request_id,
             protocol_version=self.contract.protocol_version,
             contract_fingerprint=self.fingerprint,
-            prompt_token_ids=ids,
-            first_token_id=first,
-            num_speculative_tokens=k,
-            sampling=sampling,
+            prompt_token_ids=checked.ids,
+            first_token_id=job.first,
+            num_speculative_tokens=checked.k,
+            sampling=checked.sampling,
         )
         wire = WireDecodeRequest(header)
         encoding = self.config.encoding
@@ -188,27 +274,59 @@ class PrefillEngine:
         if not self.streams(kv):
             for i, tensor in enumerate(kv):
                 wire.set_tensor(f"kv_cache[{i}]", tensor)  # a view: no copy until the one join
-        return Prefilled(first, first_logprob, "", wire, encoding, kv)
+        return Prefilled(job.first, job.first_logprob, "", wire, encoding, kv)
 
     def streams(self, kv: list[torch.Tensor]) -> bool:
         """Whether this KV goes over DecodeStream (see PrefillConfig.kv_streaming)."""
         size = sum(t.numel() * t.element_size() for t in kv)
         return self.config.kv_streaming or size > self.config.kv_stream_threshold_bytes
 
-    def _propose(
-        self, ids: list[int], first: int, k: int, rows: SamplingTensors, rng: RequestRng
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """K draft-space tokens and, for a stochastic law, their distributions [K, Vd]."""
-        uniforms = rng.uniforms(k).to(self.config.device).view(1, k)  # drawn for either law
-        if not k:
-            return torch.zeros(0, dtype=torch.int64), None
+    def _propose(self, jobs: list[_Job], rows: SamplingTensors) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each job's K draft-space tokens and, for a stochastic law, their distributions [K, Vd]."""
+        ks = [job.checked.k for job in jobs]
+        k_max = max(ks)
+        # K uniforms per request, drawn for either law (its stream never depends on the law)
+        uniforms = torch.stack(
+            [torch.nn.functional.pad(job.rng.uniforms(k), (0, k_max - k)) for job, k in zip(jobs, ks, strict=True)]
+        ).to(self.config.device)
+        if not k_max:
+            return [(torch.zeros(0, dtype=torch.int64), None) for _ in jobs]
         draft = self.pair.draft
-        _, state = draft.prefill(ids)
+        drafting = [i for i, k in enumerate(ks) if k]
+        states = [draft.empty_state() for _ in drafting]
         try:
-            draft.reserve(state, len(ids) + k)
-            (drafted,) = draft_tokens(
-                draft, self.pair.d2t, self.config.draft_law, [state], [[first]], [k], rows, uniforms
+            for i, state in zip(drafting, states, strict=True):
+                draft.reserve(state, len(jobs[i].checked.ids) + ks[i])
+            draft.extend_last(states, [jobs[i].checked.ids for i in drafting])
+            drafted = draft_tokens(
+                draft,
+                self.d2t,
+                self.config.draft_law,
+                states,
+                [[jobs[i].first] for i in drafting],
+                [ks[i] for i in drafting],
+                rows.select(drafting),
+                uniforms[drafting],
             )
         finally:
-            draft.release(state)
-        return torch.tensor(drafted.draft_ids, dtype=torch.int64), drafted.probs
+            for state in states:
+                draft.release(state)
+        out: list[tuple[torch.Tensor, torch.Tensor | None]] = [(torch.zeros(0, dtype=torch.int64), None)] * len(jobs)
+        for i, d in zip(drafting, drafted, strict=True):
+            out[i] = (torch.tensor(d.draft_ids, dtype=torch.int64), d.probs)
+        return out
+
+
+@dataclass(eq=False)
+class _Job:
+    """One request inside the prefill engine: its prompt consumed in chunks, then finished."""
+
+    checked: Checked
+    rng: RequestRng
+    done: threading.Event = field(default_factory=threading.Event)
+    state: State | None = None
+    consumed: int = 0  # prompt tokens the target has consumed
+    first: int = -1
+    first_logprob: TokenLogprob | None = None
+    result: Prefilled | None = None
+    error: BaseException | None = None

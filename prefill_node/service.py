@@ -22,7 +22,7 @@ from pdspec.stopping import StopStrings
 from prefill_node.engine import Checked, PrefillEngine
 from prefill_node.watchdog import StallWatchdog
 from protos import pdspec_pb2
-from protos.status import ended_status
+from protos.status import ended_status, status_code
 from protos.validation import Violation
 from protos.wire import stream_chunks
 from sampling.logprobs import TokenLogprob
@@ -118,7 +118,7 @@ class GenerationService:
             self.metrics.validation_rejections.labels("prefill", violation.field).inc()
         message = "; ".join(str(v) for v in checked)
         rid = request.request_id
-        raise RequestFailed("INVALID_ARGUMENT", f"request {rid!r}: {message}", rid, checked)
+        raise RequestFailed(status_code(checked).name, f"request {rid!r}: {message}", rid, checked)
 
     def generate(self, request: pdspec_pb2.GenerateRequest, call: Call) -> Iterator[pdspec_pb2.GenerateResponse]:
         """The response stream of one request; raises RequestFailed on a non-OK end."""

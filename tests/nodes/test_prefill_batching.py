@@ -1,0 +1,84 @@
+"""Concurrent prefills run batched: one target forward for several prompts, chunked when
+they exceed --max-prefill-tokens, with every request's first token, drafts and KV exactly
+what it gets alone (same seed)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+
+from engine.paged_lm import bytes_per_token, paged_pair
+from models.loader import load_pair
+from prefill_node.engine import PrefillConfig, PrefillEngine
+from protos import pdspec_pb2
+from sampling.proposal import DraftLaw
+from tests.models.hf_fixtures import make_family_checkpoint, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = make_family_checkpoint(tmp_path_factory.mktemp("prefill-batching"), "llama", seed=4, layers=2)
+    make_tokenizer(path, [f"w{i}" for i in range(90)])
+    raw = load_pair(target_model=path, draft_layers=1)
+    return paged_pair(raw, 2048 * (bytes_per_token(raw.target) + bytes_per_token(raw.draft)))
+
+
+def request(i: int, length: int) -> pdspec_pb2.GenerateRequest:
+    return pdspec_pb2.GenerateRequest(
+        request_id=f"r{i}",
+        prompt_token_ids=[(7 * i + j) % 80 + 2 for j in range(length)],
+        num_speculative_tokens=3,
+        sampling=pdspec_pb2.SamplingParams(do_sample=True, seed=i, max_new_tokens=8),
+    )
+
+
+def summary(prefilled) -> tuple:
+    header = prefilled.wire.header
+    kv = torch.cat([t.float().flatten() for t in prefilled.kv])
+    return prefilled.first_token, list(header.proposal.token_ids), kv
+
+
+def test_concurrent_and_chunked_prefills_equal_solo_runs(pair):
+    lengths = [5, 40, 17, 90, 3, 33]
+    solo_engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC))
+    solo = [summary(solo_engine.prefill(solo_engine.check(request(i, n)))) for i, n in enumerate(lengths)]
+    batched_engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC, max_prefill_tokens=32))
+    steps = []
+    original = batched_engine._step
+
+    def counting_step():
+        steps.append(len(batched_engine._jobs))
+        original()
+
+    batched_engine._step = counting_step
+    results = [None] * len(lengths)
+    barrier = threading.Barrier(len(lengths))
+
+    def run(i: int) -> None:
+        checked = batched_engine.check(request(i, lengths[i]))
+        barrier.wait()
+        results[i] = summary(batched_engine.prefill(checked))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(lengths))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, solo, strict=True):
+        assert got[0] == want[0] and got[1] == want[1]
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
+    assert max(steps) > 1  # some step saw several queued requests
+    assert len(steps) >= sum(lengths) // 32  # the 32-token budget chunked the prompts
+    assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
+
+
+def test_a_prompt_larger_than_the_kv_cache_is_resource_exhausted(pair):
+    from protos.validation import Code
+
+    engine = PrefillEngine(pair, PrefillConfig())
+    found = engine.check(request(0, pair.target.capacity_tokens() + 1))
+    assert [v.code for v in found] == [Code.RESOURCE_EXHAUSTED] and "KV cache" in found[0].expected
