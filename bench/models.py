@@ -189,10 +189,10 @@ def step_times(target, reference, context: list[int]) -> list[dict]:
             target.extend(state, new)
             target.truncate(state, base)
 
-        def hf(new=new):
+        def hf(new=new, n=n):
             with torch.no_grad():
                 reference(torch.tensor([new]), past_key_values=cache, use_cache=True)
-            cache.crop(base)
+            cache.crop(-n)  # drop the n new positions (negative: the form every version accepts)
 
         own_ms, hf_ms = median_ms(own, repeat=15), median_ms(hf, repeat=15)
         rows.append({"positions": n, "context": base, "own_ms": own_ms, "transformers_ms": hf_ms})
