@@ -1,0 +1,153 @@
+"""Exact speculative decoding on a transformer: the joint distribution of the first 2 tokens
+over 20,000 seeded requests through the real prefill and decode engines (serialized
+DecodeRequests, the validator, the batched decode engine: tests/nodes/harness.py) matches the
+probabilities a tiny random Llama (pdspec's own modules, fp32) assigns at temperature 1, for
+both draft laws with K = 2 and a layer-skip draft (its first layer); the same test catches a
+verifier that lets equal ids bypass the ratio test.
+
+Token 1 is the prefill node's sample; token 2 is the decode node's verdict on the prefill's
+first proposal (accepted draft or residual sample), computed on the KV the prefill exported.
+Bins: all V^2 pairs with their exact probabilities, the smallest pooled until each bin
+expects >= 5 (tests/sampling/helpers.chi_square_pvalue); alpha = 1e-6."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models.loader import load_pair
+from sampling.proposal import DraftLaw
+from tests.nodes.harness import generate_many, generate_many_verifiers, target_probs
+from tests.sampling.helpers import ALPHA, biased_rejection_sample, chi_square_pvalue
+
+pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+
+SAMPLES = 20_000
+VOCAB = 24
+K = 2
+PROMPT = [3, 7, 11, 2, 5]
+
+
+def make_sharp_llama(directory, *, seed: int = 5):
+    """A 2-layer random Llama whose next-token law is neither flat nor near-deterministic and
+    depends on the context: N(0, 1) embeddings, N(0, 0.35) head (logit std ~2 over 24 ids),
+    N(0, 0.2) attention / MLP weights (instead of transformers' 0.02, so attention mixes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.models.hf_fixtures import make_tokenizer
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=None,  # no stop token: every request runs its 2 tokens
+        bos_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0, 1.0 if "embed" in name else 0.35 if "lm_head" in name else 0.2)
+    model.save_pretrained(directory)
+    make_tokenizer(directory, [f"w{i}" for i in range(VOCAB - 2)])
+    return directory
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A 32-wide model is all per-op overhead: a second intra-op thread only adds wake-ups
+    (and on a shared 2-core machine, several times the runtime)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return load_pair(target_model=make_sharp_llama(tmp_path_factory.mktemp("sharp-llama")), draft_layers=1)
+
+
+@pytest.fixture(scope="module")
+def joint(pair) -> np.ndarray:
+    """[V, V] float64: P(t1, t2) = q(t1 | prompt) q(t2 | prompt, t1), from the model's logits."""
+    first = target_probs(pair, PROMPT)
+    return np.stack([first[t] * target_probs(pair, [*PROMPT, t]) for t in range(VOCAB)])
+
+
+@pytest.fixture(scope="module")
+def outputs(pair):
+    """law -> (real verifier outputs, biased verifier outputs); one prefill per seed for both."""
+    cache = {}
+
+    def run(law: DraftLaw):
+        if law not in cache:
+            cache[law] = generate_many_verifiers(
+                pair,
+                PROMPT,
+                range(SAMPLES),
+                k=K,
+                law=law,
+                max_new_tokens=2,
+                samplers=[None, biased_rejection_sample],
+                memoize=True,
+            )
+        return cache[law]
+
+    return run
+
+
+def joint_pvalue(outs: list[list[int]], joint: np.ndarray) -> float:
+    assert all(len(out) == 2 for out in outs)
+    cells = torch.tensor([out[0] * VOCAB + out[1] for out in outs])
+    return chi_square_pvalue(cells, torch.from_numpy(joint.ravel()))
+
+
+def test_the_model_gives_the_test_power(pair, joint):
+    """Not flat, not deterministic, token 2 depends on token 1, the draft disagrees with the
+    target often enough that both acceptance and residual sampling are exercised."""
+    assert joint.sum() == pytest.approx(1.0, abs=1e-9)
+    first = joint.sum(1)
+    assert 0.15 < first.max() < 0.6 and (first >= 0.01).sum() >= 8
+    assert (joint * SAMPLES >= 5).sum() >= 100  # bins before pooling
+    top = np.argsort(first)[::-1][:4]
+    conditionals = [joint[t] / first[t] for t in top]
+    tv = [0.5 * np.abs(a - b).sum() for i, a in enumerate(conditionals) for b in conditionals[i + 1 :]]
+    assert min(tv) > 0.2, tv  # P(t2 | t1) differs across the likely t1
+    overlaps = []
+    for t in top:
+        logits, _ = pair.draft.prefill([*PROMPT, t])
+        draft = torch.softmax(logits.double(), -1).numpy()
+        overlaps.append(np.minimum(draft, joint[t] / first[t]).sum())  # stochastic-law acceptance rate
+    assert min(overlaps) > 0.4 and max(overlaps) < 0.9, overlaps
+
+
+def test_memoized_harness_is_exact(pair):
+    """The memoized models change no output: same tokens as the plain pair, token for token."""
+    for law in DraftLaw:
+        plain = generate_many(pair, PROMPT, range(100), k=K, law=law, max_new_tokens=4)
+        memo = generate_many(pair, PROMPT, range(100), k=K, law=law, max_new_tokens=4, memoize=True)
+        assert plain == memo and all(len(out) == 4 for out in plain)
+
+
+@pytest.mark.parametrize("law", list(DraftLaw), ids=lambda law: law.value)
+def test_joint_distribution_is_the_transformers(outputs, joint, law):
+    real, _ = outputs(law)
+    pvalue = joint_pvalue(real, joint)
+    print(f"{law.value}: real verifier p = {pvalue:.3g}")
+    assert pvalue > ALPHA
+
+
+@pytest.mark.parametrize("law", list(DraftLaw), ids=lambda law: law.value)
+def test_biased_verifier_is_caught(outputs, joint, law):
+    _, biased = outputs(law)
+    pvalue = joint_pvalue(biased, joint)
+    print(f"{law.value}: biased verifier p = {pvalue:.3g}")
+    assert pvalue < ALPHA
