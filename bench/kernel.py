@@ -1,4 +1,4 @@
-"""Rejection-sampling kernel benchmark on a GPU: the ANCHORS.md cases.
+"""Rejection-sampling kernel benchmark on a GPU: the FlashInfer reference cases (docs/design.md §7).
 
     python bench/kernel.py            # on a CUDA machine with CuPy and triton
 
@@ -26,7 +26,7 @@ from bench.common import environment, markdown_table, write_results
 from sampling import RejectionSampler, rejection_sample
 
 CASES = [(1, 4, 128256), (64, 4, 128256), (256, 4, 128256), (64, 1, 32000), (64, 8, 151936), (512, 4, 32000)]
-# FlashInfer chain_speculative_sampling on an H200, from shared/ANCHORS.md (not rerun here).
+# FlashInfer chain_speculative_sampling on an H200, the steering team's figures in docs/design.md §7 (not rerun here).
 FLASHINFER_US = {
     ((1, 4, 128256), True): 44,
     ((64, 4, 128256), True): 90,
@@ -44,7 +44,7 @@ FLASHINFER_US = {
 
 
 def make_inputs(batch: int, k: int, vocab: int, dense: bool, seed: int = 0):
-    """ANCHORS.md inputs: q = softmax(3 randn); p a noisy copy (dense) or its argmax."""
+    """Reference-figure inputs (docs/design.md §7): q = softmax(3 randn); p a noisy copy (dense) or its argmax."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     logits = 3 * torch.randn(batch, k + 1, vocab, generator=gen, device="cuda")
     target_probs = torch.softmax(logits, -1)
@@ -136,7 +136,7 @@ def ceilings() -> dict[str, float]:
 
 
 def minimum_bytes(batch: int, k: int, vocab: int, dense: bool) -> int:
-    """ANCHORS.md: scalars at the draft ids + one target row per batch row (+ one draft row)."""
+    """docs/design.md §7 minimum bytes: scalars at the draft ids + one target row per row (+ one draft row)."""
     per_scalar = 8 if dense else 4
     return batch * k * per_scalar + batch * vocab * 4 * (2 if dense else 1)
 

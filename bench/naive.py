@@ -1,7 +1,7 @@
 """The simplest correct rejection sampler: a Python loop over rows and positions.
 
 It is the baseline the vectorized reference is measured against on the CPU, and a
-second, independent reading of DESIGN.md §2 that the tests compare with.
+second, independent reading of docs/design.md §2 that the tests compare with.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 1. Proposal bytes (serialized `Proposal` message) for DENSE / POINT_MASS / SPARSE at
    V in {32000, 128256, 151936} and K in {1, 4, 8}. The SPARSE draft is top-p 0.9 over
-   softmax(3 randn) logits (the ANCHORS.md distribution); its support size M is reported.
+   softmax(3 randn) logits (the reference figures' distribution, docs/design.md §7); its support size M is reported.
 2. DENSE encode + serialize + parse + decode of a whole DecodeRequest, in GB/s of
    proposal payload, next to a plain memcpy (numpy copyto) of the same bytes in the same
    run; the zero-copy codec (protos/wire.py) next to the protobuf path it replaced, and

@@ -1,4 +1,4 @@
-"""One interface for target and draft models (DESIGN.md §6).
+"""One interface for target and draft models (docs/design.md §6).
 
 A model maps token-id histories to next-token logits. Its per-request `State` is what
 the verify pass extends, rejection truncates, and the wire ships: `export_state` gives

@@ -1,4 +1,4 @@
-"""Prometheus metrics of both nodes (DESIGN.md §4: fixed names), one label schema.
+"""Prometheus metrics of both nodes (docs/design.md §4: fixed names), one label schema.
 
 Each node owns a `NodeMetrics` with its own CollectorRegistry, so two nodes can run in
 one process (tests) and each /metrics page shows only its node's series.

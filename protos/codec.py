@@ -1,4 +1,4 @@
-"""torch.Tensor <-> TensorPB: little-endian raw bytes in C order (DESIGN.md §3).
+"""torch.Tensor <-> TensorPB: little-endian raw bytes in C order (docs/design.md §3).
 
 Decoding checks the declared shape against len(data) with Python integers before
 anything is allocated, then makes exactly one copy of the payload. With the upb and C++

@@ -1,4 +1,4 @@
-"""Proposal encodings: DENSE, POINT_MASS and SPARSE (DESIGN.md §3).
+"""Proposal encodings: DENSE, POINT_MASS and SPARSE (docs/design.md §3).
 
 Defaults (`choose_encoding` with no configured encoding): a point-mass law ships
 POINT_MASS (ids only), a stochastic law DENSE FP32; `compact` makes the latter SPARSE.

@@ -1,4 +1,4 @@
-"""Validation of a DecodeRequest at the decode boundary (DESIGN.md §3 table).
+"""Validation of a DecodeRequest at the decode boundary (docs/design.md §3 table).
 
 Pure functions, no gRPC: `validate_decode_request` returns either a `DecodeInput`
 (everything `rejection_sample` and the decode engine need, in target-vocabulary space)

@@ -1,4 +1,4 @@
-"""All of pdspec's sampling math (DESIGN.md §2)."""
+"""All of pdspec's sampling math (docs/design.md §2)."""
 
 from sampling.d2t import DraftToTargetMap, map_draft_probs_to_target
 from sampling.params import SamplingParams, SamplingTensors

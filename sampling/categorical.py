@@ -1,4 +1,4 @@
-"""Inverse-CDF sampling with the tie-breaking rule of DESIGN.md §2.
+"""Inverse-CDF sampling with the tie-breaking rule of docs/design.md §2.
 
 Every sampler in pdspec (target, draft, residual) draws through this one rule so that
 the torch reference, the CuPy kernel and the proposal laws agree token for token:

@@ -3,7 +3,7 @@
 The kernel is compiled once per device (NVRTC on CUDA, hiprtc on ROCm; CuPy also caches
 the binary on disk) and launched on torch's current stream with raw device pointers:
 zero-copy (the kernel reads torch's own memory), where `cupy.from_dlpack` would cost
-~30 µs per tensor (shared/ANCHORS.md). All launch arguments travel as one packed struct
+~30 µs per tensor (the launch figures in docs/design.md §7). All launch arguments travel as one packed struct
 (`RsParams` in the .cu file), so marshalling them is one `struct.pack`. Inputs were
 validated by `sampling.checks` (dtype, device, shape); this module only makes them
 contiguous.

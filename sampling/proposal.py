@@ -2,7 +2,7 @@
 normalized distribution it drew that token from (draft-vocabulary space).
 
 * point mass (top-1): argmax; the distribution is a point mass, returned as None so
-  callers skip all dense work (DESIGN.md: draft_probs=None).
+  callers skip all dense work (docs/design.md §2: draft_probs=None).
 * stochastic: temperature / top-k / top-p per row; the distribution is the filtered,
   renormalized float32 distribution the token was sampled from. Greedy rows (§2 rule)
   get a one-hot row.

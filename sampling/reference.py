@@ -1,4 +1,4 @@
-"""Vectorized PyTorch reference of rejection sampling (DESIGN.md §2): the oracle.
+"""Vectorized PyTorch reference of rejection sampling (docs/design.md §2): the oracle.
 
 Terms, used the same way everywhere in pdspec:
 * accepted  - a draft token that passed its test and is emitted as is;

@@ -1,4 +1,4 @@
-"""Public rejection-sampling API (DESIGN.md §2, fixed) and backend selection.
+"""Public rejection-sampling API (docs/design.md §2, fixed) and backend selection.
 
 `RejectionSampler` picks its backend once, at construction; `rejection_sample` is the
 fixed functional entry point and resolves "auto" from where its inputs live.

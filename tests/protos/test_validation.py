@@ -1,4 +1,4 @@
-"""One test per row of the DESIGN.md §3 validation table, plus fuzzing."""
+"""One test per row of the docs/design.md §3 validation table, plus fuzzing."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Hand-computed cases of DESIGN.md §2."""
+"""Hand-computed cases of docs/design.md §2."""
 
 import pytest
 import torch
