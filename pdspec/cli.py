@@ -35,9 +35,12 @@ def main(argv: list[str] | None = None) -> int:
             ("--top-p", {"default": 1.0, "type": float, "help": "top-p (1 = off)"}),
             ("--seed", {"default": None, "type": int, "help": "request seed (reproducible output)"}),
             ("--greedy", {"default": False, "type": bool, "help": "argmax decoding"}),
-            ("--num-spec-tokens", {"default": 4, "type": int, "help": "draft tokens per step K (0 = off)"}),
+            (
+                "--num-spec-tokens",
+                {"default": None, "type": int, "help": "draft tokens per step K (0 = off; default: the server's)"},
+            ),
             ("--stats", {"default": False, "type": bool, "help": "print acceptance per position and tokens/s"}),
-            ("--timeout", {"default": 60.0, "type": float, "help": "deadline in seconds"}),
+            ("--timeout", {"default": 0.0, "type": float, "help": "deadline in seconds (0 = none)"}),
         ],
     )
     _security_flags(gen)
@@ -123,7 +126,7 @@ def _generate(args) -> int:
             top_p=args.top_p,
             seed=args.seed,
             num_speculative_tokens=args.num_spec_tokens,
-            timeout=args.timeout,
+            timeout=args.timeout or None,
         ):
             print(response.text, end="", flush=True)
             tokens += len(response.token_ids)

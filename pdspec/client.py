@@ -62,11 +62,14 @@ class Client:
         top_p: float = 1.0,
         seed: int | None = None,
         stop_token_ids: Sequence[int] = (),
-        num_speculative_tokens: int = 4,
+        stop: Sequence[str] = (),
+        num_speculative_tokens: int | None = None,
         request_id: str | None = None,
         timeout: float | None = 60.0,
     ) -> Iterator[pdspec_pb2.GenerateResponse]:
-        """The raw response stream; cancel it by closing the iterator."""
+        """The raw response stream; cancel it by closing the iterator.
+
+        num_speculative_tokens None: the server's default K. timeout None: no deadline."""
         sampling = pdspec_pb2.SamplingParams(
             do_sample=not greedy,
             temperature=temperature,
@@ -82,8 +85,10 @@ class Client:
             prompt=prompt or "",
             prompt_token_ids=list(prompt_token_ids),
             sampling=sampling,
-            num_speculative_tokens=num_speculative_tokens,
+            stop=list(stop),
         )
+        if num_speculative_tokens is not None:
+            request.num_speculative_tokens = num_speculative_tokens
         return self.stub.Generate(request, timeout=timeout)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Generation:

@@ -10,7 +10,7 @@ to the nodes' PDSPEC_* variables (PDSPEC_PREFILL_PORT, PDSPEC_DECODE_PORT, ...).
 
 Waits until the prefill node reports SERVING through grpc.health.v1 (models loaded and the
 decode peer compatible), prints a ready-to-paste `pdspec generate` command, then keeps both
-nodes running. With --scrape-every N it also reads both /metrics endpoints every N seconds
+nodes running. With --scrape-every N it also reads the decode node's /metrics every N seconds
 and prints the speculative-decoding series (what Prometheus would scrape).
 """
 

@@ -143,6 +143,15 @@ class PrefillEngine:
                 )
             )
         params = check_sampling(request.sampling, vocab, found, limits)
+        if len(request.stop) > limits.max_stop_strings:
+            found.append(
+                Violation("stop", f"at most {limits.max_stop_strings} strings", f"{len(request.stop)} strings")
+            )
+        longest = max((len(s) for s in request.stop), default=0)
+        if longest > limits.max_stop_string_chars:
+            found.append(
+                Violation("stop", f"strings of at most {limits.max_stop_string_chars} characters", f"{longest}")
+            )
         if request.HasField("num_speculative_tokens"):
             k = request.num_speculative_tokens
         else:

@@ -62,6 +62,8 @@ class RequestLimits:
     max_stop_token_ids: int = 64
     max_request_id_bytes: int = 256
     max_logprobs: int = 5
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,16 @@ def test_compose_files_validate(override):
         decode = config["services"]["decode"]
         assert {"/dev/kfd", "/dev/dri"} <= {d.split(":")[0] for d in decode["devices"]}
         assert decode["group_add"] == ["video"]
+    if override:
+        # device and dtype enter the model contract: both nodes must agree or never serve
+        env = {name: config["services"][name]["environment"] for name in ("decode", "prefill")}
+        role = {"decode": "DECODE", "prefill": "PREFILL"}
+        for key in ("DEVICE", "DTYPE"):
+            assert env["decode"][f"PDSPEC_DECODE_{key}"] == env["prefill"][f"PDSPEC_PREFILL_{key}"], key
+        for name, parser in (("decode", decode_args), ("prefill", prefill_args)):
+            for variable in env[name]:
+                if variable.startswith(f"PDSPEC_{role[name]}_"):
+                    assert variable in flag_env_names(_parser_of(parser)), variable
 
 
 def test_compose_tls_variant_validates():
@@ -67,6 +77,22 @@ def test_compose_tls_variant_validates():
     for name in ("decode", "prefill"):
         targets = [v["target"] if isinstance(v, dict) else v.split(":")[1] for v in services[name]["volumes"]]
         assert "/certs" in targets, name
+
+
+def _parser_of(parse_args):
+    module = __import__(parse_args.__module__, fromlist=["build_parser"])
+    return module.build_parser()
+
+
+def test_dockerfile_python_snippets_import():
+    """Every `RUN python -c "from M import N; ..."` in the Dockerfiles names something that exists."""
+    import importlib
+
+    for name in DOCKERFILES:
+        for module, names in re.findall(r'python -c "from ([\w.]+) import ([\w, ]+);', (DEPLOY / name).read_text()):
+            imported = importlib.import_module(module)
+            for symbol in names.split(","):
+                assert hasattr(imported, symbol.strip()), f"{name}: {module}.{symbol.strip()}"
 
 
 def flag_env_names(parser) -> set[str]:
