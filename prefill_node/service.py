@@ -197,7 +197,9 @@ class GenerationService:
                     reason = "stop" if stopped else response.finish_reason
                     yield stream.finish(response, reason, detokenizer, stops, stopped)
                     return
+                watch.hold()  # a slow client's flow control is not a silent decode node
                 yield stream.emit(response)
+                watch.touch()
         except grpc.RpcError as err:
             if not call.is_active():
                 record.code = ended_status(call)
