@@ -186,6 +186,8 @@ class GenerationService:
                 if not call.is_active():
                     record.code = ended_status(call)
                     return
+                if not response.token_ids and not response.finished:
+                    continue  # decode's heartbeat while the request waits for a slot
                 response.text, stopped = stops.push(detokenizer.push(response.token_ids))
                 if stopped or response.finished:
                     complete = not stopped

@@ -141,7 +141,7 @@ def test_canary_behind_a_full_batch(pair):
         wait_until(lambda: canary.first_at is not None, timeout=5, what="the canary's first token")
         first = canary.first_at - sent
         wait_until(lambda: decode.engine.waiting == 1, timeout=2, what="the canary queued")
-        time.sleep(1.0)
+        time.sleep(4.0)  # longer than the relay watchdog (3 s): a queued request is not a stalled one
         queued_messages = canary.messages  # nothing from decode while the batch stays full
         running = decode.engine.running
         longs[0].cancel()
