@@ -44,6 +44,9 @@ ENCODING_LABELS = {
     pdspec_pb2.Proposal.POINT_MASS: ProposalEncoding.POINT_MASS.value,
     pdspec_pb2.Proposal.SPARSE: ProposalEncoding.SPARSE.value,
 }
+# A request waiting in the queue sends an empty message this often, so the prefill node's relay
+# watchdog (--decode-stall-seconds, 3 s) tells a queued request from a frozen decode node.
+HEARTBEAT_S = 1.0
 VALIDATED_FIELDS = (
     "request_id",
     "protocol_version",
@@ -215,7 +218,7 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
         # nothing would ever call it, so cancel now.
         if not context.add_callback(lambda: self.engine.cancel(handle)):
             self.engine.cancel(handle)
-        first, last = True, started
+        first, last, sent = True, started, started
         try:
             while True:
                 try:
@@ -226,6 +229,9 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
                     outcome[0] = ended_status(context)
                     return
                 if event is None:
+                    if time.monotonic() - sent > HEARTBEAT_S:  # queued for a slot: not a silent node
+                        sent = time.monotonic()
+                        yield pdspec_pb2.GenerateResponse(request_id=rid)
                     continue
                 event = _coalesce(event, handle.events)
                 if event.error:
@@ -241,6 +247,7 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
                         self.metrics.inter_token_latency.labels("decode").observe(gap)
                 last = now
                 self.metrics.generated_tokens.labels("decode").inc(len(event.tokens))
+                sent = now
                 yield _response(rid, event)
                 if event.finished:
                     return

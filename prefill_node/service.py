@@ -191,6 +191,8 @@ class GenerationService:
                 if not call.is_active():
                     record.code = ended_status(call)
                     return
+                if not response.token_ids and not response.finished:
+                    continue  # decode's heartbeat while the request waits for a slot
                 response.text, stopped = stops.push(detokenizer.push(response.token_ids))
                 if stopped or response.finished:
                     complete = not stopped
@@ -202,7 +204,9 @@ class GenerationService:
                     reason = "stop" if stopped else response.finish_reason
                     yield stream.finish(response, reason, detokenizer, stops, stopped)
                     return
+                watch.hold()  # a slow client's flow control is not a silent decode node
                 yield stream.emit(response)
+                watch.touch()
         except grpc.RpcError as err:
             if not call.is_active():
                 record.code = ended_status(call)

@@ -2,6 +2,9 @@
 while its request is live is cancelled (the client hears UNAVAILABLE) and `on_stall` runs
 (the decode peer is suspected and re-checked).
 
+Only time spent waiting on the decode stream counts: while the relay blocks handing a
+message to a slow client (`hold()`), the decode node is not silent, the client is.
+
 A frozen decode node (SIGSTOP, a hung host) keeps its TCP connection open, so without
 this a stream would wait for keepalive to notice (seconds more) or forever when pings
 pass. One thread watches every stream of the node; a stream costs a dict entry and a
@@ -31,6 +34,11 @@ class Watch:
 
     def touch(self) -> None:
         self.last = time.monotonic()
+
+    def hold(self) -> None:
+        """Not waiting on the decode node (the relay is handing a message to a client that may
+        read slowly, under gRPC flow control): not a stall, however long; `touch()` resumes."""
+        self.last = float("inf")
 
     def done(self) -> None:
         if self._owner is not None:
