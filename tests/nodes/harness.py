@@ -114,6 +114,8 @@ def generate_many_verifiers(
     temperature: float = 1.0,
     batch: int = 4096,
     memoize: bool = False,
+    device: str = "cpu",
+    backend: str = "torch",
 ) -> list[list[list[int]]]:
     """generate_many for several verifiers (None = the real rejection sampler) at the cost
     of one prefill per seed: each request's validated DecodeInput goes to one decode engine
@@ -121,12 +123,14 @@ def generate_many_verifiers(
     list per seed for each sampler, in `samplers` order."""
     if memoize:
         pair = memoized(pair)
-    prefill = PrefillEngine(pair, PrefillConfig(draft_law=law))
+    prefill = PrefillEngine(pair, PrefillConfig(draft_law=law, device=device))
     decodes = [
         DecodeEngine(
             pair,
-            DecodeConfig(max_speculative_tokens=max(k, 1), max_batch=batch, max_queue=len(seeds), draft_law=law),
-            verifier=Verifier("torch", sampler=sampler),
+            DecodeConfig(
+                max_speculative_tokens=max(k, 1), max_batch=batch, max_queue=len(seeds), draft_law=law, device=device
+            ),
+            verifier=Verifier(backend, device, sampler=sampler),
         )
         for sampler in samplers
     ]
@@ -171,7 +175,7 @@ def target_probs(pair: ModelPair, ids: Sequence[int]) -> np.ndarray:
     if hasattr(target, "next_token_probs"):
         return np.asarray(target.next_token_probs(list(ids)), dtype=np.float64)
     logits, _ = target.prefill(list(ids))
-    return torch.softmax(logits.double(), -1).numpy()
+    return torch.softmax(logits.double(), -1).cpu().numpy()
 
 
 def exact_joint(pair: ModelPair, prompt: Sequence[int], n: int, samples: int) -> dict[tuple[int, ...], float]:

@@ -1,0 +1,51 @@
+"""The transformer exactness test on a GPU (`make test-gpu`): a tiny random Llama on CUDA,
+sampling and rejection sampling on the device (the CuPy kernel), 20,000 seeded requests;
+the joint law of the first 2 tokens matches the model's own probabilities (chi-square,
+alpha 1e-6) for both draft laws, and the biased verifier is caught."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+
+from models.loader import load_pair
+from sampling.proposal import DraftLaw
+from tests.nodes.harness import generate_many_verifiers, target_probs
+from tests.nodes.test_transformer_distribution import PROMPT, SAMPLES, VOCAB, K, joint_pvalue, make_sharp_llama
+from tests.sampling.helpers import ALPHA, biased_rejection_sample
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = make_sharp_llama(tmp_path_factory.mktemp("sharp-llama-gpu"))
+    return load_pair(target_model=path, draft_layers=1, device="cuda", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def joint(pair) -> np.ndarray:
+    first = target_probs(pair, PROMPT)
+    return np.stack([first[t] * target_probs(pair, [*PROMPT, t]) for t in range(VOCAB)])
+
+
+@pytest.mark.parametrize("law", list(DraftLaw), ids=lambda law: law.value)
+def test_joint_distribution_on_the_gpu_and_the_biased_verifier(pair, joint, law):
+    real, biased = generate_many_verifiers(
+        pair,
+        PROMPT,
+        range(SAMPLES),
+        k=K,
+        law=law,
+        max_new_tokens=2,
+        samplers=[None, biased_rejection_sample],
+        memoize=True,
+        device="cuda",
+        backend="cupy",
+    )
+    real_p, biased_p = joint_pvalue(real, joint), joint_pvalue(biased, joint)
+    print(f"{law.value}: real p = {real_p:.3g}, biased p = {biased_p:.3g}")
+    assert real_p > ALPHA and biased_p < ALPHA
