@@ -54,6 +54,24 @@ class MemoizedModel:
         self.hits += 1
         return found[0].clone(), self.model.import_state(found[1], key)
 
+    def extend_last(self, states, ids):
+        """Row by row through the memo (the prefill engine's batched prompt pass)."""
+        return torch.stack([self._extend_last(state, row) for state, row in zip(states, ids, strict=True)])
+
+    def _extend_last(self, state, ids):
+        key = ("last", tuple(state.tokens), tuple(ids))
+        found = self._extends.get(key)
+        if found is None:
+            self.misses += 1
+            logits = self.model.extend_last([state], [ids])[0]
+            self._extends[key] = (logits, self.model.export_state(state))
+            return logits.clone()
+        self.hits += 1
+        copy = self.model.import_state(found[1], (*key[1], *key[2]))
+        self.model.release(state)
+        state.tokens, state.kv = copy.tokens, copy.kv
+        return found[0].clone()
+
     def extend(self, state, ids):
         key = (tuple(state.tokens), tuple(ids))
         found = self._extends.get(key)
