@@ -265,7 +265,10 @@ def serve(pair: ModelPair, device: str, kv_bytes: int, max_batch: int = 64, k_ma
                 port=0,
                 metrics_port=None,
                 models=spec,
-                engine=PrefillConfig(device=device, limits=limits, max_speculative_tokens=k_max),
+                # the handoff section times the one-message path (DecodeStream is bench/wire_kv.py's)
+                engine=PrefillConfig(
+                    device=device, limits=limits, max_speculative_tokens=k_max, kv_stream_threshold_bytes=1 << 40
+                ),
                 peer_check_s=0.1,
                 max_streams=512,
             ),
