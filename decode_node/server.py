@@ -376,8 +376,8 @@ def run_server(
     metrics.running.labels("decode").set_function(lambda: engine.running)
     metrics.waiting.labels("decode").set_function(lambda: engine.waiting)
     add_decode_servicer(DecodeServicer(engine, receiver, metrics, info), shell.server)
+    shell.start()  # raises when the port is taken: nothing is running yet
     engine.start()
-    shell.start()
     summary = SummaryLogger(metrics, config.log_stats_s)
     summary.start()
     shell.set_serving(True)

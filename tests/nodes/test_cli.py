@@ -41,3 +41,14 @@ def test_generate_reads_the_prompt_from_stdin(nodes, capsys, monkeypatch):
 def test_connection_error_says_what_to_start(capsys):
     assert cli.main(["info", "--node", "prefill", "--prefill-addr", "127.0.0.1:1"]) == 1
     assert "pdspec serve" in capsys.readouterr().err
+
+
+def test_a_second_node_on_a_port_in_use_fails_at_start(nodes, pair):
+    """No silent SO_REUSEPORT double bind: the second server refuses to start."""
+    from decode_node.server import DecodeNodeConfig
+    from decode_node.server import run_server as run_decode
+
+    _, _, decode = nodes
+    with pytest.raises(OSError, match="is another node there"):  # noqa: SIM117 (the context never opens)
+        with run_decode(DecodeNodeConfig(host="127.0.0.1", port=decode.port, metrics_port=None), lambda: pair):
+            pass
