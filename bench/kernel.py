@@ -219,7 +219,7 @@ def main() -> None:
         "graph / floor",
         "torch sum of same bytes µs",
         "graph / sum",
-        "FlashInfer µs (ANCHORS)",
+        "FlashInfer µs (reference)",
         "vs FlashInfer",
         "torch ref eager µs",
         "vs ref",
