@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
-from models.base import State
+from models.base import State, check_kv_tensors
 from models.llama import LlamaCausalLM
 from models.pair import ModelPair
 
@@ -228,15 +228,8 @@ class PagedLlamaLM:
         return [t.cpu() for layer in range(self.num_layers) for t in self.pool.read(state.kv, layer)]
 
     def import_state(self, tensors: Sequence[torch.Tensor], tokens: Sequence[int]) -> State:
-        if len(tensors) != len(self.kv_layout):
-            raise ValueError(f"tensors: expected {len(self.kv_layout)} KV tensors, got {len(tensors)}")
+        check_kv_tensors(tensors, self.kv_layout, len(tokens))
         seq = len(tokens)
-        for index, (tensor, spec) in enumerate(zip(tensors, self.kv_layout, strict=True)):
-            if tuple(tensor.shape) != spec.shape_for(seq) or tensor.dtype != spec.dtype:
-                raise ValueError(
-                    f"tensors[{index}]: expected {spec.dtype} {spec.shape_for(seq)}, "
-                    f"got {tensor.dtype} {tuple(tensor.shape)}"
-                )
         state = State(tokens=list(tokens), kv=PagedSeq())
         self.reserve(state, seq)
         for layer in range(self.num_layers):

@@ -81,6 +81,16 @@ class CausalLM(Protocol):
         """Give the state's KV memory back (the state is not used afterwards)."""
 
 
+def check_kv_tensors(tensors: Sequence[torch.Tensor], layout: Sequence[KvTensorSpec], seq: int) -> None:
+    """import_state's argument check: one tensor per spec, each of its dtype and shape at `seq`."""
+    if len(tensors) != len(layout):
+        raise ValueError(f"tensors: expected {len(layout)} KV tensors, got {len(tensors)}")
+    for index, (tensor, spec) in enumerate(zip(tensors, layout, strict=True)):
+        if tuple(tensor.shape) != spec.shape_for(seq) or tensor.dtype != spec.dtype:
+            expected, got = f"{spec.dtype} {spec.shape_for(seq)}", f"{tensor.dtype} {tuple(tensor.shape)}"
+            raise ValueError(f"tensors[{index}]: expected {expected}, got {got}")
+
+
 class GrowingKv:
     """The reservation methods of a model whose state grows on demand (no pool to run out of),
     and `extend_last` by way of its `extend_batch`."""

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.base import GrowingKv, State
+from models.base import GrowingKv, State, check_kv_tensors
 from protos.contract import SEQ, KvTensorSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -521,15 +521,8 @@ class LlamaCausalLM(GrowingKv):
         return [t[:, :n].clone() for pair in zip(cache.keys, cache.values, strict=True) for t in pair]
 
     def import_state(self, tensors: Sequence[torch.Tensor], tokens: Sequence[int]) -> State:
-        if len(tensors) != len(self.kv_layout):
-            raise ValueError(f"tensors: expected {len(self.kv_layout)} KV tensors, got {len(tensors)}")
+        check_kv_tensors(tensors, self.kv_layout, len(tokens))
         seq = len(tokens)
-        for index, (tensor, spec) in enumerate(zip(tensors, self.kv_layout, strict=True)):
-            if tuple(tensor.shape) != spec.shape_for(seq) or tensor.dtype != spec.dtype:
-                raise ValueError(
-                    f"tensors[{index}]: expected {spec.dtype} {spec.shape_for(seq)}, "
-                    f"got {tensor.dtype} {tuple(tensor.shape)}"
-                )
         cache = self._new_cache(seq + 16)
         for layer in range(self.num_layers):
             cache.keys[layer][:, :seq] = tensors[2 * layer].to(self.device)
