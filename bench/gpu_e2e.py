@@ -227,8 +227,9 @@ def engine_sections(args, env, rows, tables) -> None:
     tables.append("### Engine step (K = 0, eager)\n\n" + markdown_table(header, table))
 
 
-def serve(pair: ModelPair, device: str, kv_bytes: int, max_batch: int = 64, k_max: int = 8):
-    """Both nodes in this process on one device (loopback gRPC); returns (client, stop)."""
+def serve(pair: ModelPair, device: str, kv_bytes: int, max_batch: int = 64, k_max: int = 8, law=None):
+    """Both nodes in this process on one device (loopback gRPC); returns (client, stack, prefill,
+    decode). `law`: the draft law of both nodes (None: their default, point mass)."""
     import contextlib
 
     from decode_node.engine import DecodeConfig
@@ -240,7 +241,9 @@ def serve(pair: ModelPair, device: str, kv_bytes: int, max_batch: int = 64, k_ma
     from prefill_node.server import PrefillNodeConfig
     from prefill_node.server import run_server as run_prefill
     from protos.validation import RequestLimits
+    from sampling.proposal import DraftLaw
 
+    law = law or DraftLaw.POINT_MASS
     stack = contextlib.ExitStack()
     spec = ModelSpec(device=device, kv_cache_bytes=kv_bytes)
     limits = RequestLimits(max_prompt_tokens=8192)
@@ -252,7 +255,9 @@ def serve(pair: ModelPair, device: str, kv_bytes: int, max_batch: int = 64, k_ma
                 metrics_port=None,
                 models=spec,
                 limits=limits,
-                engine=DecodeConfig(device=device, max_batch=max_batch, max_queue=256, max_speculative_tokens=k_max),
+                engine=DecodeConfig(
+                    device=device, max_batch=max_batch, max_queue=256, max_speculative_tokens=k_max, draft_law=law
+                ),
             ),
             lambda: pair,
         )
@@ -267,7 +272,11 @@ def serve(pair: ModelPair, device: str, kv_bytes: int, max_batch: int = 64, k_ma
                 models=spec,
                 # the handoff section times the one-message path (DecodeStream is bench/wire_kv.py's)
                 engine=PrefillConfig(
-                    device=device, limits=limits, max_speculative_tokens=k_max, kv_stream_threshold_bytes=1 << 40
+                    device=device,
+                    limits=limits,
+                    max_speculative_tokens=k_max,
+                    draft_law=law,
+                    kv_stream_threshold_bytes=1 << 40,
                 ),
                 peer_check_s=0.1,
                 max_streams=512,
@@ -508,7 +517,8 @@ def spec_section(args, env, rows, tables) -> None:
             pair = load_pair(target_model=args.smollm2, draft_layers=layers, device=device)
         prompt = pair.tokenizer.encode("The history of the city begins in the early middle ages, when")
         for law in DraftLaw:
-            client, stack, _, _ = serve_with_law(pair, device, law)
+            kv_bytes = (4 << 30) if device != "cpu" else 256 << 20
+            client, stack, _, _ = serve(pair, device, kv_bytes, law=law)
             with stack:
                 for k in (0, 4):  # warm-up: graphs for both step shapes captured before timing
                     load(client, 4, 16, k, prompt, False)
@@ -545,52 +555,6 @@ def spec_section(args, env, rows, tables) -> None:
                         print(table[-1], flush=True)
     header = ["draft layers", "draft law", "T", "batch", "K=0 tokens/s", "K=4 tokens/s", "speed-up", "accept length"]
     tables.append("### SmolLM2-135M + layer-skip draft, through both nodes\n\n" + markdown_table(header, table))
-
-
-def serve_with_law(pair: ModelPair, device: str, law):
-    import contextlib
-
-    from decode_node.engine import DecodeConfig
-    from decode_node.server import DecodeNodeConfig
-    from decode_node.server import run_server as run_decode
-    from pdspec.client import Client
-    from pdspec.modelspec import ModelSpec
-    from prefill_node.engine import PrefillConfig
-    from prefill_node.server import PrefillNodeConfig
-    from prefill_node.server import run_server as run_prefill
-
-    stack = contextlib.ExitStack()
-    spec = ModelSpec(device=device, kv_cache_bytes=(4 << 30) if device != "cpu" else 256 << 20)
-    decode = stack.enter_context(
-        run_decode(
-            DecodeNodeConfig(
-                host="127.0.0.1",
-                port=0,
-                metrics_port=None,
-                models=spec,
-                engine=DecodeConfig(device=device, max_batch=64, draft_law=law),
-            ),
-            lambda: pair,
-        )
-    )
-    prefill = stack.enter_context(
-        run_prefill(
-            PrefillNodeConfig(
-                decode_addr=f"127.0.0.1:{decode.port}",
-                host="127.0.0.1",
-                port=0,
-                metrics_port=None,
-                models=spec,
-                engine=PrefillConfig(device=device, draft_law=law),
-                peer_check_s=0.1,
-            ),
-            lambda: pair,
-        )
-    )
-    while not prefill.peer.compatible:
-        time.sleep(0.05)
-    client = stack.enter_context(Client(f"127.0.0.1:{prefill.port}"))
-    return client, stack, prefill, decode
 
 
 def main() -> None:
