@@ -6,9 +6,11 @@ from sampling.proposal import DraftLaw, DraftSample, propose, propose_point_mass
 from sampling.rejection import RejectionSampler, rejection_sample, resolve_backend
 from sampling.rng import RequestRng, batch_uniforms
 from sampling.target_sampler import TargetSample, sample_target
+from sampling.tree import MAX_TREE_NODES, TreeResult, tree_rejection_sample
 from sampling.verifier import StepStats, Verifier, VerifyResult
 
 __all__ = [
+    "MAX_TREE_NODES",
     "DraftLaw",
     "DraftSample",
     "DraftToTargetMap",
@@ -18,6 +20,7 @@ __all__ = [
     "SamplingTensors",
     "StepStats",
     "TargetSample",
+    "TreeResult",
     "Verifier",
     "VerifyResult",
     "batch_uniforms",
@@ -28,4 +31,5 @@ __all__ = [
     "rejection_sample",
     "resolve_backend",
     "sample_target",
+    "tree_rejection_sample",
 ]

@@ -145,3 +145,112 @@ def _check_values(
     if bad[2]:
         outside = uniform_samples[~((uniform_samples >= 0) & (uniform_samples < 1))]
         raise ValueError(f"uniform_samples: expected values in [0, 1), got {float(outside[0])}")
+
+
+# Tree (multi-draft) verification, sampling/tree.py. The kernel walks a row's nodes one
+# after another, so N bounds a row's serial latency; 64 covers the trees of issue #15.
+MAX_TREE_NODES = 64
+
+
+@dataclass(frozen=True)
+class TreeDims:
+    batch: int
+    num_nodes: int  # N, nodes per row at most
+    vocab: int
+
+
+def check_tree_inputs(
+    draft_token_ids: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor | None,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    target_token_ids: torch.Tensor,
+    accept_uniforms: torch.Tensor,
+    recover_uniforms: torch.Tensor,
+    do_sample: torch.Tensor,
+    *,
+    check_values: bool = True,
+) -> TreeDims:
+    """Raise ValueError naming the argument, expected and actual value; return B, N, V.
+
+    Entries of node n >= num_nodes[b] (and positions n + 1 > num_nodes[b]) are ignored
+    by the samplers, so the value checks skip them too.
+    """
+    _check_tensor("target_probs", target_probs, rank=3, dtypes=(torch.float32,))
+    batch, n_plus_1, vocab = target_probs.shape
+    if n_plus_1 < 1:
+        raise ValueError(f"target_probs: expected shape [B, N+1, V] with N+1 >= 1, got {tuple(target_probs.shape)}")
+    if vocab < 1:
+        raise ValueError(f"target_probs: expected vocab size V >= 1, got shape {tuple(target_probs.shape)}")
+    n = n_plus_1 - 1
+    if n > MAX_TREE_NODES:
+        raise ValueError(f"target_probs: expected N <= MAX_TREE_NODES = {MAX_TREE_NODES} tree nodes, got N = {n}")
+    device = target_probs.device
+    _check_tensor("draft_token_ids", draft_token_ids, rank=2, dtypes=_INT_DTYPES, shape=(batch, n), device=device)
+    _check_tensor("parents", parents, rank=2, dtypes=_INT_DTYPES, shape=(batch, n), device=device)
+    if num_nodes is not None:
+        _check_tensor("num_nodes", num_nodes, rank=1, dtypes=_INT_DTYPES, shape=(batch,), device=device)
+    if draft_probs is not None:
+        _check_tensor(
+            "draft_probs", draft_probs, rank=3, dtypes=(torch.float32,), shape=(batch, n, vocab), device=device
+        )
+    _check_tensor("target_token_ids", target_token_ids, rank=2, dtypes=_INT_DTYPES, shape=(batch, n + 1), device=device)
+    _check_tensor("accept_uniforms", accept_uniforms, rank=2, dtypes=(torch.float32,), shape=(batch, n), device=device)
+    _check_tensor(
+        "recover_uniforms", recover_uniforms, rank=2, dtypes=(torch.float32,), shape=(batch, n + 1), device=device
+    )
+    _check_tensor("do_sample", do_sample, rank=1, dtypes=(torch.bool,), shape=(batch,), device=device)
+    if check_values and batch > 0:
+        _check_tree_values(
+            draft_token_ids, parents, num_nodes, target_token_ids, accept_uniforms, recover_uniforms, vocab
+        )
+    return TreeDims(batch, n, vocab)
+
+
+def _check_tree_values(draft_token_ids, parents, num_nodes, target_token_ids, accept_uniforms, recover_uniforms, vocab):
+    batch, n = draft_token_ids.shape
+    device = draft_token_ids.device
+    node = torch.arange(n, device=device)
+    count = torch.full((batch,), n, device=device) if num_nodes is None else num_nodes.long().clamp(0, n)
+    live = node < count[:, None]  # [B, N] the row's real nodes
+    read = torch.arange(n + 1, device=device) <= count[:, None]  # [B, N+1] positions a walk can reach
+    checks = [  # (name, tensor, bad entries, what was expected)
+        (
+            "draft_token_ids",
+            draft_token_ids,
+            live & ((draft_token_ids < 0) | (draft_token_ids >= vocab)),
+            f"ids in [0, {vocab}) at nodes n < num_nodes[b]",
+        ),
+        (
+            "parents",
+            parents,
+            live & ((parents < -1) | (parents >= node)),
+            "values in [-1, n-1] at nodes n < num_nodes[b]",
+        ),
+        (
+            "target_token_ids",
+            target_token_ids,
+            read & ((target_token_ids < 0) | (target_token_ids >= vocab)),
+            f"ids in [0, {vocab}) at positions <= num_nodes[b]",
+        ),
+        (
+            "accept_uniforms",
+            accept_uniforms,
+            live & ~((accept_uniforms >= 0) & (accept_uniforms < 1)),
+            "values in [0, 1) at nodes n < num_nodes[b]",
+        ),
+        (
+            "recover_uniforms",
+            recover_uniforms,
+            read & ~((recover_uniforms >= 0) & (recover_uniforms < 1)),
+            "values in [0, 1) at positions <= num_nodes[b]",
+        ),
+    ]
+    if num_nodes is not None:
+        checks.insert(0, ("num_nodes", num_nodes, (num_nodes < 0) | (num_nodes > n), f"values in [0, {n}]"))
+    bad = torch.stack([mask.any() for _, _, mask, _ in checks]).tolist()  # one device sync for all
+    for is_bad, (name, tensor, mask, expected) in zip(bad, checks, strict=True):
+        if is_bad:
+            index = [int(i) for i in mask.nonzero()[0]]
+            raise ValueError(f"{name}: expected {expected}, got {name}{index} = {tensor[tuple(index)].item()}")
