@@ -2,7 +2,15 @@
 
 from sampling.d2t import DraftToTargetMap, map_draft_probs_to_target
 from sampling.params import SamplingParams, SamplingTensors
-from sampling.proposal import DraftLaw, DraftSample, propose, propose_point_mass, propose_stochastic
+from sampling.proposal import (
+    CandidateSample,
+    DraftLaw,
+    DraftSample,
+    propose,
+    propose_candidates,
+    propose_point_mass,
+    propose_stochastic,
+)
 from sampling.rejection import RejectionSampler, rejection_sample, resolve_backend
 from sampling.rng import RequestRng, batch_uniforms
 from sampling.target_sampler import TargetSample, sample_target
@@ -11,6 +19,7 @@ from sampling.verifier import StepStats, Verifier, VerifyResult
 
 __all__ = [
     "MAX_TREE_NODES",
+    "CandidateSample",
     "DraftLaw",
     "DraftSample",
     "DraftToTargetMap",
@@ -26,6 +35,7 @@ __all__ = [
     "batch_uniforms",
     "map_draft_probs_to_target",
     "propose",
+    "propose_candidates",
     "propose_point_mass",
     "propose_stochastic",
     "rejection_sample",

@@ -6,6 +6,9 @@ normalized distribution it drew that token from (draft-vocabulary space).
 * stochastic: temperature / top-k / top-p per row; the distribution is the filtered,
   renormalized float32 distribution the token was sampled from. Greedy rows (§2 rule)
   get a one-hot row.
+
+`propose_candidates` draws k siblings of a draft tree (sampling/tree.py) at once, without
+replacement, each with its exact law given the earlier ones.
 """
 
 from __future__ import annotations
@@ -47,3 +50,61 @@ def propose(law: DraftLaw, logits: torch.Tensor, params: SamplingTensors, unifor
     if law is DraftLaw.POINT_MASS:
         return propose_point_mass(logits)
     return propose_stochastic(logits, params, uniforms)
+
+
+@dataclass(frozen=True)
+class CandidateSample:
+    token_ids: torch.Tensor  # [M, k] int64 draft-vocab ids
+    probs: torch.Tensor | None  # [M, k, Vd] float32 law of each candidate given the earlier ones; None = point mass
+    valid: torch.Tensor  # [M, k] bool: False where the law has no mass left (support smaller than k)
+
+
+def propose_candidates(
+    law: DraftLaw, logits: torch.Tensor, params: SamplingTensors, uniforms: torch.Tensor, k: int
+) -> CandidateSample:
+    """k distinct candidates per row, drawn without replacement, with their exact laws.
+
+    logits [M, Vd] (any float dtype); params for M rows; uniforms [M, k] float32 in
+    [0, 1) (unused by the point-mass law); 1 <= k <= Vd. Stochastic law: candidate i is
+    drawn by `inverse_cdf_sample` from p = filtered_probs(logits, params) with candidates
+    0..i-1 zeroed, and its law is those weights over their sum (candidate 0: p itself,
+    so k = 1 is exactly `propose`). Greedy rows and the point-mass law: the top-k ids
+    (ties: lower id first, as argmax), each with a one-hot law. Where `valid` is False
+    the id is meaningless and its law is all zero.
+    """
+    rows, vocab = logits.shape
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k: expected 1 <= k <= Vd = {vocab}, got {k}")
+    if law is DraftLaw.POINT_MASS:
+        top = _top_ids(logits, k)
+        return CandidateSample(top, None, torch.ones_like(top, dtype=torch.bool))
+    if tuple(uniforms.shape) != (rows, k):
+        raise ValueError(f"uniforms: expected shape {[rows, k]}, got {list(uniforms.shape)}")
+    weights = filtered_probs(logits, params)  # [M, Vd] p, then p with the drawn candidates zeroed
+    ids, laws, valid = [], [], []
+    for i in range(k):
+        token, has_mass = inverse_cdf_sample(weights, uniforms[:, i])
+        if i == 0:
+            laws.append(weights)  # normalised by construction: no division, so k = 1 equals `propose`
+        else:
+            total = weights.sum(-1, keepdim=True)
+            laws.append(torch.where(has_mass[:, None], weights / total, 0.0))
+        ids.append(token)
+        valid.append(has_mass)
+        weights = weights.scatter(1, token[:, None], 0.0)
+    token_ids = torch.stack(ids, 1)  # [M, k]
+    probs = torch.stack(laws, 1)  # [M, k, Vd]
+    valid = torch.stack(valid, 1)
+    if bool(params.greedy.any()):
+        greedy = params.greedy[:, None]
+        top = _top_ids(logits, k)
+        token_ids = torch.where(greedy, top, token_ids)
+        one_hot = torch.zeros_like(probs).scatter_(2, top[..., None], 1.0)
+        probs = torch.where(greedy[..., None], one_hot, probs)
+        valid = valid | greedy
+    return CandidateSample(token_ids, probs, valid)
+
+
+def _top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[M, Vd] -> [M, k] int64 ids of the k largest logits, lower id first among equals."""
+    return logits.sort(dim=-1, descending=True, stable=True).indices[:, :k]
