@@ -25,7 +25,7 @@ def compiler(name: str) -> str:
 
 
 def test_there_are_kernel_sources():
-    assert [p.name for p in SOURCES] == ["rejection_kernel.cu"]
+    assert [p.name for p in SOURCES] == ["rejection_kernel.cu", "tree_kernel.cu"]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -52,15 +52,33 @@ def test_compiles_with_hipcc(source, tmp_path):
     assert result.returncode == 0, result.stderr
 
 
-def test_launch_struct_matches_the_kernel_source():
-    """The Python packing of RsParams has one 8-byte field per field of the C struct."""
+@pytest.mark.parametrize(
+    ("source", "struct_name", "module"),
+    [
+        ("rejection_kernel.cu", "RsParams", "sampling.cupy_sampler"),
+        ("tree_kernel.cu", "TsParams", "sampling.cupy_tree"),
+    ],
+)
+def test_launch_struct_matches_the_kernel_source(source, struct_name, module):
+    """The Python packing of the params struct has one 8-byte field per field of the C struct."""
+    import importlib
     import re
 
-    from sampling.cupy_sampler import _PARAMS
-
-    source = (Path(__file__).resolve().parents[2] / "sampling" / "rejection_kernel.cu").read_text()
-    body = re.search(r"struct RsParams \{(.*?)\};", source, re.S).group(1)
+    params = importlib.import_module(module)._PARAMS
+    text = (Path(__file__).resolve().parents[2] / "sampling" / source).read_text()
+    body = re.search(rf"struct {struct_name} \{{(.*?)\}};", text, re.S).group(1)
     fields = [line.split("//")[0].strip() for line in body.splitlines()]
     fields = [f for f in fields if f.endswith(";")]
-    assert _PARAMS.size == 8 * len(fields)
-    assert list(_PARAMS.format.lstrip("<")) == ["Q" if "*" in f else "q" for f in fields]
+    assert params.size == 8 * len(fields)
+    assert list(params.format.lstrip("<")) == ["Q" if "*" in f else "q" for f in fields]
+
+
+def test_tree_kernel_constants_match_python():
+    """The kernel's chunks are those of the inverse-CDF rule, and its block size is the launch's."""
+    import re
+
+    from sampling import categorical, cupy_tree
+
+    text = (Path(__file__).resolve().parents[2] / "sampling" / "tree_kernel.cu").read_text()
+    assert int(re.search(r"#define TS_CHUNK (\d+)", text).group(1)) == categorical.CHUNK
+    assert int(re.search(r"#define TS_THREADS (\d+)", text).group(1)) == cupy_tree.THREADS
