@@ -157,9 +157,7 @@ def tree_rejection_sample_torch(
         residual[fresh] = target_probs[fresh, n + 1]
         drop = torch.nonzero(tested & do_sample & ~passes).squeeze(1)  # [R] rows rejecting node n
         if drop.numel() > 0:
-            reduced = _reduce_residual(residual[drop], mass[drop], safe_ids[drop, n], draft_probs, drop, n)
-            residual[drop] = reduced
-            mass[drop] = _residual_mass(reduced)
+            mass[drop] = _reject(residual, mass, drop, safe_ids[drop, n], draft_probs, n)
             rejected[drop] = True
 
     final = targets[rows, context + 1]  # the bonus, or the greedy / no-mass recovery
@@ -174,20 +172,22 @@ def tree_rejection_sample_torch(
     return TreeResult(output, (accepted + 1).int(), accepted_nodes)
 
 
-def _reduce_residual(
-    residual: torch.Tensor,  # [R, V] float32 W of the rejecting rows
-    mass: torch.Tensor,  # [R] float32 f32(Z)
-    token: torch.Tensor,  # [R] int64 the rejected (clamped) ids
+def _reject(
+    residual: torch.Tensor,  # [B, V] float32 W, updated in place
+    mass: torch.Tensor,  # [B] float32 f32(Z)
+    rows: torch.Tensor,  # [R] the rows rejecting `node`
+    token: torch.Tensor,  # [R] int64 their (clamped) draft ids
     draft_probs: torch.Tensor | None,
-    rows: torch.Tensor,  # [R] row indices into draft_probs
     node: int,
 ) -> torch.Tensor:
-    """W <- max(0, f32(W - f32(f32(Z) * p))), each product and difference rounded apart."""
+    """W <- max(0, f32(W - f32(f32(Z) * p))) on `rows`, each product and difference rounded
+    apart; returns their next f32(Z) [R]."""
     if draft_probs is None:  # p one-hot at the token: only W[token] changes (Z * 0 = 0 elsewhere)
-        local = torch.arange(len(rows), device=residual.device)
-        residual[local, token] = torch.clamp_min(residual[local, token] - mass, 0.0)
-        return residual
-    return torch.clamp_min(residual - mass[:, None] * draft_probs[rows, node], 0.0)
+        residual[rows, token] = torch.clamp_min(residual[rows, token] - mass[rows], 0.0)
+        return _residual_mass(residual[rows])
+    reduced = torch.clamp_min(residual[rows] - mass[rows, None] * draft_probs[rows, node], 0.0)  # [R, V]
+    residual[rows] = reduced
+    return _residual_mass(reduced)
 
 
 def _residual_mass(residual: torch.Tensor) -> torch.Tensor:
