@@ -55,6 +55,7 @@ bench: $(STAMP)
 
 bench-gpu: $(STAMP)
 	$(PY) bench/kernel.py
+	$(PY) bench/tree_kernel.py
 	$(PY) bench/gpu_e2e.py
 
 lint: $(STAMP)
