@@ -106,8 +106,8 @@ __device__ __forceinline__ float reduce(float w, float z, float p) {
 
 // Entries j..j+3 of a row, 0 past its end; one float4 access when `vec` (then V % 4 == 0).
 __device__ __forceinline__ float4 load4(const float* row, long long j, long long vocab, long long vec) {
-    float4 v;
     if (vec && j < vocab) return *reinterpret_cast<const float4*>(row + j);
+    float4 v;
     v.x = j < vocab ? row[j] : 0.0f;
     v.y = j + 1 < vocab ? row[j + 1] : 0.0f;
     v.z = j + 2 < vocab ? row[j + 2] : 0.0f;
