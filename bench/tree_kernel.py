@@ -54,7 +54,7 @@ def tree_inputs(batch: int, branching: tuple[int, ...], vocab: int, dense: bool,
     gen = torch.Generator(device=device).manual_seed(seed)
     logits = 3 * torch.randn(batch, n_nodes + 1, vocab, generator=gen, device=device)
     target_probs = torch.softmax(logits, -1)  # [B, N+1, V]
-    parents = torch.tensor(parents_list, device=device).expand(batch, -1)  # [B, N]
+    parents = torch.tensor(parents_list, device=device).expand(batch, -1).contiguous()  # [B, N]
     at_parent = logits[:, parents[0] + 1]  # [B, N, V] q's logits where each node was drafted
     draft_probs = torch.softmax(at_parent + torch.randn(at_parent.shape, generator=gen, device=device), -1)
     if dense:
@@ -74,8 +74,8 @@ def tree_inputs(batch: int, branching: tuple[int, ...], vocab: int, dense: bool,
         draft_probs if dense else None,
         target_probs,
         target_ids,
-        uniforms[:, :n_nodes],
-        uniforms[:, 1:],
+        uniforms[:, :n_nodes].contiguous(),  # contiguous: the timed calls copy nothing
+        uniforms[:, 1:].contiguous(),
         torch.ones(batch, dtype=torch.bool, device=device),
     )
 
