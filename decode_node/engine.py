@@ -1,15 +1,18 @@
 """The decode engine: continuous batching of speculative decoding, no gRPC inside.
 
 Each request arrives validated (`protos.validation.DecodeInput`): prompt, first token,
-the prefill's K proposals and the KV state. Every engine step, for all active requests
-at once: the draft proposes K tokens (except on a request's first step, which verifies
-the prefill's proposal), one batched target call scores [last, d1..dK], and one
-verifier call per (K, draft-law) group runs rejection sampling. Emitted tokens go to the
-request's event queue; the servicer streams them.
+the prefill's proposal (a chain of K drafts or a candidate tree) and the KV state. Every
+engine step, for all active requests at once: the draft proposes (a tree of the request's
+shape, engine/proposer.py; on a request's first step the prefill's proposal is verified
+instead), ONE target forward scores [last, nodes...] of every row with tree attention,
+and ONE rejection-sampling launch verifies every row (chains of one K and one law take
+the chain kernel, anything mixed the tree kernel). Emitted tokens go to the request's
+event queue; the servicer streams them.
 
 Token bookkeeping per request: `history` = prompt + every emitted token. The target
 has consumed all of history but its last token; the draft has consumed a prefix of
-history and catches up before it proposes.
+history and catches up before it proposes. The accepted path of a tree becomes history
+in both models (`accept_tree` moves its KV into line); the other nodes are dropped.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.proposer import draft_tokens
+from engine.proposer import Drafted, check_tree_limits, draft_tokens, shape_nodes, tree_shape
 from models.base import State
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
@@ -32,6 +35,7 @@ from protos.validation import DecodeInput
 from sampling import RequestRng, SamplingTensors, Verifier
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
+from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +43,17 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DecodeConfig:
     max_speculative_tokens: int = 8
+    max_draft_candidates: int = 4  # candidates per node a request may ask for (1: chains only)
+    max_tree_nodes: int = MAX_TREE_NODES  # nodes of one proposal tree at most
     max_batch: int = 32  # requests per engine step
     max_queue: int = 128  # requests waiting for a batch slot; beyond that: QueueFull
     draft_law: DraftLaw = DraftLaw.POINT_MASS
     default_max_new_tokens: int = 64
     sampler_backend: str = "auto"
     device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        check_tree_limits(self.max_draft_candidates, self.max_tree_nodes)
 
 
 class QueueFull(Exception):
@@ -56,7 +65,8 @@ class Stats:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0  # accepted DRAFT tokens
-    accepted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)  # by depth
+    accepted_per_rank: list[int] = field(default_factory=list)  # by rank among siblings
 
 
 @dataclass(frozen=True)
@@ -85,12 +95,22 @@ class Request:
     remaining: int = 0  # tokens this node may still emit
     first_step: bool = True
     stats: Stats = field(default_factory=Stats)
+    shape: tuple[int, ...] = ()  # the trees this node drafts for it (engine/proposer.tree_shape)
 
 
 @dataclass
 class _Proposal:
-    draft_ids: list[int]  # target ids
-    probs: torch.Tensor | None  # [K, Vt] target space, None = point mass
+    draft_ids: list[int]  # [N] target ids, breadth-first
+    parents: list[int]  # [N] parent node, -1 = the last emitted token
+    probs: torch.Tensor | None  # [N, Vt] target space, None = point mass
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == n - 1 for n, p in enumerate(self.parents))
+
+    def rank(self, node: int) -> int:
+        """The node's place among its siblings (0 = drawn first)."""
+        return node - self.parents.index(self.parents[node])
 
 
 class DecodeEngine:
@@ -113,11 +133,20 @@ class DecodeEngine:
         self._thread: threading.Thread | None = None
 
     # -- requests -------------------------------------------------------------------
+    def shape(self, decode_input: DecodeInput) -> tuple[int, ...]:
+        """The tree shape of the request's own proposals (all ones: a chain of K)."""
+        if not self.pair.draft.supports_trees or not self.pair.target.supports_trees:
+            return (1,) * decode_input.num_speculative_tokens
+        return tree_shape(
+            decode_input.num_speculative_tokens, decode_input.draft_candidates, self.config.max_tree_nodes
+        )
+
     def kv_tokens(self, decode_input: DecodeInput) -> int:
-        """KV positions a request may ever occupy: prompt + every token it may emit + the K
-        drafts of its last verify pass (reserved at admission, so it never waits mid-stream)."""
+        """KV positions a request may ever occupy: prompt + every token it may emit + the
+        nodes of its largest proposal + 1 (reserved at admission: it never waits mid-stream)."""
         budget = decode_input.max_new_tokens or self.config.default_max_new_tokens
-        return len(decode_input.prompt_token_ids) + budget + self.config.max_speculative_tokens + 1
+        nodes = max(len(decode_input.draft_token_ids), shape_nodes(self.shape(decode_input)))
+        return len(decode_input.prompt_token_ids) + budget + nodes + 1
 
     def submit(self, decode_input: DecodeInput) -> Request:
         request = Request(decode_input)
@@ -139,6 +168,12 @@ class DecodeEngine:
         with self._lock:
             if request in self._pending:
                 self._pending.remove(request)
+
+    @property
+    def max_draft_candidates(self) -> int:
+        """Candidates per node this node verifies and drafts: 1 where a model cannot mask by tree."""
+        trees = self.pair.target.supports_trees and self.pair.draft.supports_trees
+        return self.config.max_draft_candidates if trees else 1
 
     @property
     def load(self) -> int:
@@ -246,35 +281,79 @@ class DecodeEngine:
         budget = data.max_new_tokens or self.config.default_max_new_tokens
         request.remaining = budget - 1  # the prefill node emitted the first token
         request.stats.accepted_per_position = [0] * data.num_speculative_tokens
+        request.shape = self.shape(data)
+        request.stats.accepted_per_rank = [0] * max((*request.shape, data.draft_candidates, 1))
         if self.metrics:
             self.metrics.queue_time.labels("decode").observe(time.monotonic() - request.arrived)
             self.metrics.prompt_tokens.labels("decode").inc(len(data.prompt_token_ids))
 
     def _speculate(self, requests: list[Request]) -> None:
         proposals = self._proposals(requests)
-        old_len = {id(r): len(r.history) for r in requests}
         feeds = [[r.history[-1], *p.draft_ids] for r, p in zip(requests, proposals, strict=True)]
-        logits = self.pair.target.extend_batch([r.target_state for r in requests], feeds)
-        groups: dict[tuple[int, bool], list[int]] = {}
-        for i, p in enumerate(proposals):
-            groups.setdefault((len(p.draft_ids), p.probs is None), []).append(i)
-        for (k, point_mass), rows in groups.items():
-            batch = [requests[i] for i in rows]
-            draft_ids = torch.tensor([proposals[i].draft_ids for i in rows], dtype=torch.int64).view(len(rows), k)
-            probs = None if point_mass else torch.stack([proposals[i].probs for i in rows])
-            target_logits = torch.stack([logits[i] for i in rows]).to(self.verifier.device)  # [R, K+1, Vt]
-            result = self.verifier.verify(
-                draft_ids, probs, target_logits, [r.input.params for r in batch], [r.rng for r in batch]
+        parents = [[-1, *(q + 1 for q in p.parents)] for p in proposals]  # the last token is tree token 0
+        logits = self.pair.target.extend_tree([r.target_state for r in requests], feeds, parents)
+        results = self._verify(requests, proposals, logits)
+        for request, proposal, row_logits, (emitted, path, do_sample) in zip(
+            requests, proposals, logits, results, strict=True
+        ):
+            self._record(request, proposal, path, len(emitted), do_sample)
+            self.pair.target.accept_tree(request.target_state, [0, *(n + 1 for n in path)])
+            draft_state = request.draft_state
+            if draft_state.tree is not None:  # the inner nodes it consumed while drafting
+                self.pair.draft.accept_tree(draft_state, [n for n in path if n < len(draft_state.tree.parents)])
+            top = request.input.logprobs
+            logprobs = []
+            if top:
+                rows = row_logits[[0, *(n + 1 for n in path)]][: len(emitted)]  # the contexts of the emitted tokens
+                logprobs = token_logprobs(rows.to(self.verifier.device), torch.tensor(emitted), top)
+            self._advance(request, emitted, logprobs)
+
+    def _verify(
+        self, requests: list[Request], proposals: list[_Proposal], logits: list[torch.Tensor]
+    ) -> list[tuple[list[int], list[int], bool]]:
+        """One rejection-sampling launch for the batch: each row's (emitted tokens, accepted
+        nodes, do_sample)."""
+        params, rngs = [r.input.params for r in requests], [r.rng for r in requests]
+        device = self.verifier.device
+        sizes = {len(p.draft_ids) for p in proposals}
+        point_mass = [p.probs is None for p in proposals]
+        if all(p.is_chain for p in proposals) and len(sizes) == 1 and len(set(point_mass)) == 1:
+            k = sizes.pop()  # the common case: chains of one K and one law -> the chain kernel
+            draft_ids = torch.tensor([p.draft_ids for p in proposals], dtype=torch.int64).view(len(proposals), k)
+            probs = None if point_mass[0] else torch.stack([p.probs for p in proposals]).to(device)
+            result = self.verifier.verify(draft_ids, probs, torch.stack(logits).to(device), params, rngs)
+            emitted = result.emitted_rows()
+            paths = [list(range(len(e) - 1)) for e in emitted]
+        else:
+            n = max(sizes)
+            batch = len(proposals)
+            draft_ids = torch.zeros(batch, n, dtype=torch.int64)
+            parents = torch.full((batch, n), -1, dtype=torch.int64)
+            target_logits = torch.zeros(batch, n + 1, logits[0].shape[-1], device=device)  # [B, N+1, Vt]
+            probs = None
+            if not all(point_mass):  # one launch for both laws: a point mass is a one-hot row
+                probs = torch.zeros(batch, n, target_logits.shape[-1], device=device)  # [B, N, Vt]
+            for b, (p, row) in enumerate(zip(proposals, logits, strict=True)):
+                size = len(p.draft_ids)
+                draft_ids[b, :size] = torch.tensor(p.draft_ids, dtype=torch.int64)
+                parents[b, :size] = torch.tensor(p.parents, dtype=torch.int64)
+                target_logits[b, : size + 1] = row
+                if probs is not None and size:
+                    if p.probs is None:
+                        probs[b, torch.arange(size), draft_ids[b, :size].to(device)] = 1.0
+                    else:
+                        probs[b, :size] = p.probs
+            result = self.verifier.verify_tree(
+                draft_ids, parents, [len(p.draft_ids) for p in proposals], probs, target_logits, params, rngs
             )
-            do_sample = result.stats.do_sample.cpu().tolist()
-            for row, (request, emitted) in enumerate(zip(batch, result.emitted_rows(), strict=True)):
-                self._record(request, k, len(emitted), do_sample[row])
-                top = request.input.logprobs
-                logprobs = token_logprobs(target_logits[row, : len(emitted)], torch.tensor(emitted), top) if top else []
-                self._advance(request, emitted, old_len[id(request)], logprobs)
+            emitted = result.emitted_rows()
+            nodes = result.accepted_nodes.cpu().tolist()
+            paths = [row[: len(e) - 1] for row, e in zip(nodes, emitted, strict=True)]
+        do_sample = result.stats.do_sample.cpu().tolist()
+        return list(zip(emitted, paths, do_sample, strict=True))
 
     def _proposals(self, requests: list[Request]) -> list[_Proposal]:
-        """The prefill's proposal on a request's first step; else K drafts from the local draft."""
+        """The prefill's proposal on a request's first step; else a tree from the local draft."""
         out: list[_Proposal | None] = [None] * len(requests)
         local = []
         for i, request in enumerate(requests):
@@ -282,40 +361,44 @@ class DecodeEngine:
                 request.first_step = False
                 data = request.input
                 probs = None if data.draft_probs is None else data.draft_probs.to(self.config.device)
-                out[i] = _Proposal(data.draft_token_ids.tolist(), probs)
+                ids = data.draft_token_ids.tolist()
+                out[i] = _Proposal(ids, data.draft_parents or list(range(-1, len(ids) - 1)), probs)
             elif request.input.num_speculative_tokens:
                 local.append(i)
             else:
-                out[i] = _Proposal([], None)
+                out[i] = _Proposal([], [], None)
         if local:
             for i, proposal in zip(local, self._draft([requests[i] for i in local]), strict=True):
                 out[i] = proposal
         return out
 
     def _draft(self, requests: list[Request]) -> list[_Proposal]:
-        """K drafts per request from the local draft (engine/proposer.py), in target space."""
-        ks = [r.input.num_speculative_tokens for r in requests]
+        """A tree per request from the local draft (engine/proposer.py), in target space."""
+        sizes = [shape_nodes(r.shape) for r in requests]
         device = self.config.device
         uniforms = torch.stack(
-            [torch.nn.functional.pad(r.rng.uniforms(k), (0, max(ks) - k)) for r, k in zip(requests, ks, strict=True)]
-        ).to(device)  # [R, K_max]: each request's K uniforms, zero padded
+            [
+                torch.nn.functional.pad(r.rng.uniforms(n), (0, max(sizes) - n))
+                for r, n in zip(requests, sizes, strict=True)
+            ]
+        ).to(device)  # [R, N_max]: one per node of each request's full shape, zero padded
         drafted = draft_tokens(
             self.pair.draft,
             self.d2t,
             self.config.draft_law,
             [r.draft_state for r in requests],
             [r.history[len(r.draft_state.tokens) :] for r in requests],  # catch up, ends with `last`
-            ks,
+            [r.shape for r in requests],
             SamplingTensors.from_params([r.input.params for r in requests], device),
             uniforms,
         )
-        return [_Proposal(d.target_ids, None if d.probs is None else self.d2t.map_probs(d.probs)) for d in drafted]
+        return [self._target_space(d) for d in drafted]
 
-    def _advance(self, request: Request, emitted: Sequence[int], old_len: int, logprobs: list[TokenLogprob]) -> None:
-        accepted = len(emitted) - 1
-        self.pair.target.truncate(request.target_state, old_len + accepted)
-        draft_state = request.draft_state
-        self.pair.draft.truncate(draft_state, min(len(draft_state.tokens), old_len + accepted))
+    def _target_space(self, drafted: Drafted) -> _Proposal:
+        probs = None if drafted.probs is None else self.d2t.map_probs(drafted.probs)
+        return _Proposal(drafted.target_ids, drafted.parents, probs)
+
+    def _advance(self, request: Request, emitted: Sequence[int], logprobs: list[TokenLogprob]) -> None:
         data = request.input
         budget = data.max_new_tokens or self.config.default_max_new_tokens
         done = budget - request.remaining  # tokens of this request emitted so far (prefill's first included)
@@ -341,14 +424,17 @@ class DecodeEngine:
         )
         request.cancelled.set()  # leaves the batch
 
-    def _record(self, request: Request, k: int, emitted: int, do_sample: bool) -> None:
-        if k == 0:
+    def _record(self, request: Request, proposal: _Proposal, path: list[int], emitted: int, do_sample: bool) -> None:
+        nodes = len(proposal.draft_ids)
+        if nodes == 0:
             return  # K = 0 verifies nothing
         stats = request.stats
         stats.verify_steps += 1
-        stats.draft_tokens += k
+        stats.draft_tokens += nodes
         stats.accepted_tokens += emitted - 1
-        for position in range(emitted - 1):
+        ranks = [proposal.rank(n) for n in path]
+        for position, rank in enumerate(ranks):
             stats.accepted_per_position[position] += 1
+            stats.accepted_per_rank[rank] += 1
         if self.metrics:
-            self.metrics.record_step(do_sample, k, emitted - 1, emitted)
+            self.metrics.record_step(do_sample, nodes, emitted - 1, emitted, ranks)

@@ -286,6 +286,7 @@ def _response(request_id: str, event: Event) -> pdspec_pb2.GenerateResponse:
                 draft_tokens=s.draft_tokens,
                 accepted_tokens=s.accepted_tokens,
                 accepted_per_position=s.accepted_per_position,
+                accepted_per_rank=s.accepted_per_rank,
             )
         )
     for entry in event.logprobs:
@@ -326,6 +327,8 @@ def node_info(pair: ModelPair, config: DecodeNodeConfig, engine: DecodeEngine) -
         backends=json.dumps(backends(pair, getattr(engine.verifier.sampler, "backend", "custom"))),
         max_new_tokens_limit=config.limits.max_new_tokens,
         max_prompt_tokens=config.limits.max_prompt_tokens,
+        max_draft_candidates=engine.max_draft_candidates,
+        max_tree_nodes=engine_config.max_tree_nodes,
     )
 
 
@@ -338,9 +341,9 @@ def run_server(
     """Load the models, start serving; NOT_SERVING is reported until both are done."""
     pair = paged_pair((pair_loader or config.models.load)(), config.models.kv_budget())
     contract = pair.contract()
-    limit = config.max_message_bytes or max_message_bytes(
-        contract, config.engine.max_speculative_tokens, config.limits.max_prompt_tokens
-    )
+    trees = pair.target.supports_trees and pair.draft.supports_trees and config.engine.max_draft_candidates > 1
+    rows = max(config.engine.max_speculative_tokens, config.engine.max_tree_nodes if trees else 0)  # proposal rows
+    limit = config.max_message_bytes or max_message_bytes(contract, rows, config.limits.max_prompt_tokens)
     metrics = NodeMetrics("decode", config.engine.max_speculative_tokens, VALIDATED_FIELDS)
     shell = NodeShell(
         SERVICE,
@@ -361,7 +364,14 @@ def run_server(
         interceptors=[ServiceGuard(SERVICE, lambda code: metrics.finish_request(time.monotonic(), code))],
     )
     engine = engine_factory(pair, config.engine, metrics)
-    receiver = Receiver(contract, config.engine.max_speculative_tokens, pair.d2t, config.limits)
+    receiver = Receiver(
+        contract,
+        config.engine.max_speculative_tokens,
+        pair.d2t,
+        config.limits,
+        engine.max_draft_candidates,
+        config.engine.max_tree_nodes,
+    )
     info = node_info(pair, config, engine)
     metrics.node_info.info(
         {

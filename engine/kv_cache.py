@@ -95,15 +95,25 @@ class KvPool:
 
     def slots(self, seq: PagedSeq, start: int, end: int) -> torch.Tensor:
         """[end - start] int64 slot ids of positions start..end-1 (host tensor)."""
-        positions = torch.arange(start, end)
-        table = torch.tensor(seq.blocks, dtype=torch.int64)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+        return self.slots_at(seq, torch.arange(start, end))
 
     def write(self, seq: PagedSeq, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Import keys/values [Hkv, S, D] of positions 0..S-1 (the wire layout) into the slots."""
         slots = self.slots(seq, 0, keys.shape[1]).to(self.kv.device)
         self.kv[layer, 0].index_copy_(0, slots, keys.transpose(0, 1).to(self.kv))
         self.kv[layer, 1].index_copy_(0, slots, values.transpose(0, 1).to(self.kv))
+
+    def move(self, seq: PagedSeq, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the KV of positions `src` to positions `dst` in every layer (an accepted
+        tree path moving into line); all sources are read before any destination is written."""
+        slots = self.slots_at(seq, [*src, *dst]).to(self.kv.device)
+        self.kv[:, :, slots[len(src) :]] = self.kv[:, :, slots[: len(src)]]
+
+    def slots_at(self, seq: PagedSeq, positions: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """[len(positions)] int64 slot ids (host tensor)."""
+        pos = torch.as_tensor(positions, dtype=torch.int64)
+        table = torch.tensor(seq.blocks, dtype=torch.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def read(self, seq: PagedSeq, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys, values [Hkv, length, D] of the live positions (the wire layout)."""
@@ -147,11 +157,13 @@ def batch_meta(
     *,
     rows: int | None = None,
     width: int | None = None,
+    tree_masks: Sequence[torch.Tensor | None] | None = None,
 ) -> BatchMeta:
-    """Host metadata for new tokens `new_lengths[r]` at positions seqs[r].length.. .
+    """Host metadata for new tokens `new_lengths[r]` in slots seqs[r].length.. .
 
     Vectorized over rows: one padded block-table tensor per batch, every slot computed
-    from it by tensor arithmetic (no per-row tensor work)."""
+    from it by tensor arithmetic (no per-row tensor work). `tree_masks[r]` [n_r, live_r]
+    replaces row r's causal mask (candidate trees: models/base.TreeSpan.mask)."""
     real = len(seqs)
     rows = rows or real
     bs, scratch = pool.block_size, pool.scratch_slot
@@ -180,6 +192,9 @@ def batch_meta(
     allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < live[:, None, None])
     if sliding_window is not None:
         allowed &= query_pos[:, :, None] - key_pos[None, None, :] < sliding_window
+    for r, tree in enumerate(tree_masks or ()):
+        if tree is not None:
+            allowed[r, : tree.shape[0], : tree.shape[1]] = tree
     allowed |= ~valid[:, :, None]  # padding queries attend to everything: no NaN rows
     if rows > real:  # a graph bucket: uniform rows, tokens in padded (row-major) order
         flat = torch.arange(rows * queries)

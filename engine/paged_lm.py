@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
-from models.base import State, check_kv_tensors
+from models.base import State, check_kv_tensors, close_span, extend_span
 from models.llama import LlamaCausalLM
 from models.pair import ModelPair
 
@@ -107,21 +107,35 @@ class PagedLlamaLM:
         self.pool.release(state.kv)
 
     # -- the CausalLM interface -------------------------------------------------------------
-    def _run(self, states: Sequence[State], ids: Sequence[Sequence[int]], *, last_only: bool = False):
+    def _run(
+        self,
+        states: Sequence[State],
+        ids: Sequence[Sequence[int]],
+        *,
+        last_only: bool = False,
+        parents: Sequence[Sequence[int]] | None = None,
+    ):
         lengths = [len(row) for row in ids]
         seqs = [s.kv for s in states]
         for seq, n in zip(seqs, lengths, strict=True):
             self.pool.reserve(seq, seq.length + n)  # within the admission reservation: takes nothing new
-        past = [seq.length for seq in seqs]
+        spans = [
+            extend_span(s, row, None if parents is None else parents[r])
+            for r, (s, row) in enumerate(zip(states, ids, strict=True))
+        ]
         tokens = torch.tensor([t for row in ids for t in row], dtype=torch.int64)
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(past, lengths, strict=True)])
-        seq_lens = torch.cat([torch.full((n,), p + n, dtype=torch.int64) for p, n in zip(past, lengths, strict=True)])
+        positions = torch.tensor([p for _, row in spans for p in row], dtype=torch.int64)
+        seq_lens = torch.tensor([max(row) + 1 for _, row in spans for _ in row], dtype=torch.int64)
+        window = self.config.sliding_window
+        masks = None
+        if parents is not None:
+            masks = [s.tree.mask(start, window, "cpu") for s, (start, _) in zip(states, spans, strict=True)]
         uniform = len(set(lengths)) == 1 and lengths[0] <= MAX_GRAPH_QUERIES and len(seqs) <= MAX_GRAPH_ROWS
         with torch.inference_mode():
             if self.graphs and uniform and not last_only:
-                logits = self._replay(seqs, lengths, tokens, positions, seq_lens)
+                logits = self._replay(seqs, lengths, tokens, positions, seq_lens, masks)
             else:
-                meta = batch_meta(self.pool, seqs, lengths, self.config.sliding_window).to(self.device)
+                meta = batch_meta(self.pool, seqs, lengths, window, tree_masks=masks).to(self.device)
                 logits_at = (torch.tensor(lengths).cumsum(0) - 1).to(self.device) if last_only else None
                 logits = self.module(
                     tokens.to(self.device),
@@ -138,7 +152,7 @@ class PagedLlamaLM:
             state.tokens += [int(t) for t in row]
         return logits
 
-    def _replay(self, seqs, lengths, tokens, positions, seq_lens) -> torch.Tensor:
+    def _replay(self, seqs, lengths, tokens, positions, seq_lens, masks) -> torch.Tensor:
         """The forward of a uniform batch through its captured graph (captured on first use)."""
         queries, real = lengths[0], len(seqs)
         rows = bucket(real)
@@ -147,7 +161,9 @@ class PagedLlamaLM:
         if graph is None:
             graph = self._graphs[(rows, queries, width)] = self._capture(rows, queries, width)
         pad = (rows - real) * queries
-        meta = batch_meta(self.pool, seqs, lengths, self.config.sliding_window, rows=rows, width=width)
+        meta = batch_meta(
+            self.pool, seqs, lengths, self.config.sliding_window, rows=rows, width=width, tree_masks=masks
+        )
         graph.fill(
             torch.nn.functional.pad(tokens, (0, pad)),
             torch.nn.functional.pad(positions, (0, pad)),
@@ -223,6 +239,29 @@ class PagedLlamaLM:
             raise ValueError(f"length: expected 0..{len(state.tokens)}, got {length}")
         state.kv.length = length  # rejected slots stay reserved and are overwritten next step
         del state.tokens[length:]
+
+    supports_trees = True
+
+    def extend_tree(
+        self, states: Sequence[State], ids: Sequence[Sequence[int]], parents: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
+        if not len(states) == len(ids) == len(parents):
+            raise ValueError(f"ids/parents: expected {len(states)} rows each, got {len(ids)} and {len(parents)}")
+        out = [torch.empty(0, self.vocab_size, device=self.device) for _ in states]
+        live = [i for i, row in enumerate(ids) if len(row)]
+        if live:
+            logits = self._run(
+                [states[i] for i in live], [list(ids[i]) for i in live], parents=[parents[i] for i in live]
+            )
+            for i, part in zip(live, logits.split([len(ids[i]) for i in live]), strict=True):
+                out[i] = part
+        return out
+
+    def accept_tree(self, state: State, keep: Sequence[int]) -> None:
+        src, dst = close_span(state, keep)
+        if src:
+            self.pool.move(state.kv, src, dst)
+        state.kv.length = len(state.tokens)
 
     def export_state(self, state: State) -> list[torch.Tensor]:
         return [t.cpu() for layer in range(self.num_layers) for t in self.pool.read(state.kv, layer)]

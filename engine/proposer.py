@@ -1,32 +1,86 @@
 """Drafting: the one implementation both nodes use.
 
-K tokens per request from the draft model, batched over requests (one draft forward per
-draft position for every row still drafting), in the node's draft law, with each
-request's K uniforms drawn up front from its own generator (for either law, so a seeded
-request's stream never depends on the law or on its batch). Drafts read TARGET-vocabulary
-ids (EAGLE-style), so each drafted token is mapped through d2t (a device gather) before it
-is fed back; the host sees the drafted ids once per draft position.
+A request's proposal is a candidate TREE of a fixed shape (`tree_shape`: children per
+node at each depth; all ones is the usual chain of K drafts). Depth by depth, every row's
+frontier nodes get their children in ONE draft forward for the whole batch: depth 1 from
+the logits after the last emitted token, deeper ones from the previous depth's nodes fed
+as tree tokens (`extend_tree`). Siblings are drawn without replacement from the node's
+law (`sampling.propose_candidates`), so each carries the exact law it was drawn from.
+
+Each request's uniforms are drawn up front from its own generator, one per node of the
+full shape in breadth-first order (for either law), so a seeded request's stream never
+depends on the law, on its batch, or on candidates dropped where a law ran out of support.
+Drafts read TARGET-vocabulary ids (EAGLE-style): each drafted token is mapped through d2t
+(a device gather) before it is fed back; the host sees the drafted ids once per depth.
+
+Layout (the wire's and the verifier's): nodes in breadth-first order, siblings contiguous
+in draw order; parents[n] is the parent node's index, -1 for children of the last emitted
+token. The draft consumes the nodes of depths 1..K-1 (its open tree); the leaves are not fed.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from models.base import CausalLM, State
-from sampling import DraftToTargetMap, SamplingTensors, propose
+from sampling import DraftToTargetMap, SamplingTensors, propose_candidates
 from sampling.proposal import DraftLaw
+from sampling.tree import MAX_TREE_NODES
+
+
+def tree_shape(depth: int, candidates: int, max_nodes: int = MAX_TREE_NODES) -> tuple[int, ...]:
+    """Children per node at each of `depth` levels: `candidates` at every level while the tree,
+    completed by single chains below, stays within `max_nodes`; 1 after that.
+    (4, 1) -> (4, 1): 8 nodes; depth 4 with 2 candidates -> (2, 2, 2, 2): 30 nodes."""
+    shape: list[int] = []
+    width, nodes = 1, 0
+    for level in range(depth):
+        remaining = depth - level - 1
+        fanout = candidates if nodes + width * candidates * (1 + remaining) <= max_nodes else 1
+        shape.append(fanout)
+        width *= fanout
+        nodes += width
+    return tuple(shape)
+
+
+def check_tree_limits(max_draft_candidates: int, max_tree_nodes: int) -> None:
+    """The multi-draft flags of both nodes."""
+    if max_draft_candidates < 1:
+        raise ValueError(f"max_draft_candidates: expected >= 1, got {max_draft_candidates}")
+    if not 1 <= max_tree_nodes <= MAX_TREE_NODES:
+        raise ValueError(f"max_tree_nodes: expected 1..{MAX_TREE_NODES}, got {max_tree_nodes}")
+
+
+def shape_nodes(shape: Sequence[int]) -> int:
+    """Nodes of the full tree of this shape."""
+    return sum(math.prod(shape[: d + 1]) for d in range(len(shape)))
 
 
 @dataclass(frozen=True)
 class Drafted:
-    """One request's K drafts."""
+    """One request's proposal tree (breadth-first, siblings in draw order)."""
 
-    draft_ids: list[int]  # DRAFT-vocabulary ids
-    target_ids: list[int]  # the same tokens as TARGET ids (d2t)
-    probs: torch.Tensor | None  # [K, Vd] float32, the law each was drawn from; None = point mass
+    draft_ids: list[int]  # [N] DRAFT-vocabulary ids
+    target_ids: list[int]  # [N] the same tokens as TARGET ids (d2t)
+    parents: list[int]  # [N] parent node, -1 = the last emitted token
+    probs: torch.Tensor | None  # [N, Vd] float32, the law each was drawn from; None = point mass
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == n - 1 for n, p in enumerate(self.parents))
+
+
+@dataclass
+class _Node:
+    full: int  # index in the full shape's breadth-first layout (its uniform)
+    draft_id: int
+    target_id: int
+    probs: torch.Tensor | None
+    parent: int  # compact index of the parent, -1 = the last emitted token
 
 
 def draft_tokens(
@@ -35,30 +89,76 @@ def draft_tokens(
     law: DraftLaw,
     states: Sequence[State],
     feeds: Sequence[Sequence[int]],
-    ks: Sequence[int],
+    shapes: Sequence[Sequence[int]],
     params: SamplingTensors,
     uniforms: torch.Tensor,
 ) -> list[Drafted]:
     """Row r: consume feeds[r] (target ids ending with the last emitted token) into states[r],
-    then draft ks[r] tokens. uniforms [R, max K] on the sampling device; params for R rows."""
+    then draft a tree of shapes[r]. uniforms [R, max nodes] on the sampling device (row r's
+    first shape_nodes(shapes[r]) are its own); params for R rows. The draft states are left
+    with an open tree (the inner nodes) when a shape is deeper than 1: the caller closes it."""
     device = uniforms.device
-    feeds = [list(f) for f in feeds]
-    draft_ids: list[list[int]] = [[] for _ in states]
-    target_ids: list[list[int]] = [[] for _ in states]
-    probs: list[list[torch.Tensor]] = [[] for _ in states]
-    for step in range(max(ks, default=0)):
-        rows = [r for r, k in enumerate(ks) if step < k]
-        logits = draft.extend_batch([states[r] for r in rows], [feeds[r] for r in rows])
-        last = torch.stack([row[-1] for row in logits]).to(device)  # [R, Vd]
-        sample = propose(law, last, params.select(rows), uniforms[rows, step])
-        mapped = d2t.map_tokens(sample.token_ids.to(d2t.d2t.device)).to(device)
-        drawn, mapped = torch.stack([sample.token_ids, mapped]).cpu().tolist()  # one host transfer per position
-        for j, r in enumerate(rows):
-            draft_ids[r].append(drawn[j])
-            target_ids[r].append(mapped[j])
-            feeds[r] = [mapped[j]]
-            if sample.probs is not None:
-                probs[r].append(sample.probs[j])
-    return [
-        Drafted(draft_ids[r], target_ids[r], torch.stack(probs[r]) if probs[r] else None) for r in range(len(states))
-    ]
+    trees: list[list[_Node]] = [[] for _ in states]
+    frontier: list[list[int]] = [[-1] for _ in states]  # row r's nodes at the current depth (-1: the root)
+    rows = [r for r, shape in enumerate(shapes) if len(shape)]
+    if not rows:
+        return [Drafted([], [], [], None) for _ in states]
+    logits = draft.extend_batch([states[r] for r in rows], [feeds[r] for r in rows])
+    context = {(r, -1): row[-1] for r, row in zip(rows, logits, strict=True)}  # (row, node) -> logits [Vd]
+    depth = 0
+    while rows:
+        # The children of every frontier node of every row, grouped by fan-out: one draw per group.
+        by_fanout: dict[int, list[tuple[int, int, int]]] = {}  # k -> (row, parent, full index of child 0)
+        for r in rows:
+            shape, k = shapes[r], shapes[r][depth]
+            level = shape_nodes(shape[:depth])  # full index of this depth's first node
+            above = shape_nodes(shape[: depth - 1]) if depth else 0
+            for parent in frontier[r]:
+                slot = trees[r][parent].full - above if parent >= 0 else 0  # the parent's place in its level
+                by_fanout.setdefault(k, []).append((r, parent, level + slot * k))
+        children: list[list[int]] = [[] for _ in states]
+        for k, group in by_fanout.items():
+            last = torch.stack([context[(r, parent)] for r, parent, _ in group]).to(device)  # [M, Vd]
+            draws = torch.stack([uniforms[r, first : first + k] for r, _, first in group])  # [M, k]
+            sample = propose_candidates(law, last, params.select([r for r, _, _ in group]), draws, k)
+            mapped = d2t.map_tokens(sample.token_ids.to(d2t.d2t.device)).to(device)
+            ids, targets, valid = torch.stack([sample.token_ids, mapped, sample.valid.long()]).cpu().tolist()
+            for m, (r, parent, first) in enumerate(group):
+                for c in range(k):
+                    if valid[m][c]:
+                        probs = None if sample.probs is None else sample.probs[m, c]
+                        trees[r].append(_Node(first + c, ids[m][c], targets[m][c], probs, parent))
+                        children[r].append(len(trees[r]) - 1)
+        depth += 1
+        rows = [r for r in rows if depth < len(shapes[r]) and children[r]]
+        if not rows:
+            break
+        # Feed this depth's nodes as tree tokens: the next depth's contexts.
+        fed = draft.extend_tree(
+            [states[r] for r in rows],
+            [[trees[r][n].target_id for n in children[r]] for r in rows],
+            [[trees[r][n].parent for n in children[r]] for r in rows],
+        )
+        for r, row_logits in zip(rows, fed, strict=True):
+            for n, node_logits in zip(children[r], row_logits, strict=True):
+                context[(r, n)] = node_logits
+            frontier[r] = children[r]
+    return [_drafted(tree) for tree in trees]
+
+
+def _drafted(tree: list[_Node]) -> Drafted:
+    probs = [n.probs for n in tree]
+    return Drafted(
+        [n.draft_id for n in tree],
+        [n.target_id for n in tree],
+        [n.parent for n in tree],
+        torch.stack(probs) if tree and probs[0] is not None else None,
+    )
+
+
+def draft_span(drafted: Drafted, shape: Sequence[int]) -> int:
+    """How many of the tree's nodes the draft consumed (depths 1..K-1): its open tree."""
+    depth = [0] * len(drafted.parents)
+    for n, parent in enumerate(drafted.parents):
+        depth[n] = 0 if parent < 0 else depth[parent] + 1
+    return sum(1 for d in depth if d < len(shape) - 1)

@@ -25,6 +25,83 @@ class State:
 
     tokens: list[int] = field(default_factory=list)
     kv: object = None  # backend-specific cache; None for the n-gram models
+    tree: TreeSpan | None = None  # an open tree of candidate tokens after the history (extend_tree)
+
+
+@dataclass
+class TreeSpan:
+    """Tokens consumed as a TREE after the history (a verify pass over candidate trees, or a
+    draft expanding one): span token t sits in slot `base + t` but at position
+    `base + depths[t]`, and attends to the history (slots < base) and to its own ancestors
+    (and itself) only. `ancestry[t]` is that set as a bit mask over span indices."""
+
+    base: int
+    parents: list[int] = field(default_factory=list)  # -1 = the last history token
+    depths: list[int] = field(default_factory=list)
+    ancestry: list[int] = field(default_factory=list)
+
+    def add(self, parents: Sequence[int]) -> None:
+        """Append tokens whose parents are earlier span indices (or -1); ValueError otherwise."""
+        for parent in parents:
+            t = len(self.parents)
+            if not -1 <= parent < t:
+                raise ValueError(f"parents[{t}]: expected -1..{t - 1} (an earlier tree token), got {parent}")
+            self.parents.append(parent)
+            self.depths.append(0 if parent < 0 else self.depths[parent] + 1)
+            self.ancestry.append((1 << t) | (0 if parent < 0 else self.ancestry[parent]))
+
+    def check_path(self, keep: Sequence[int]) -> None:
+        """`keep` must be a path down the tree: keep[0] a child of -1, each next a child of the previous."""
+        parent = -1
+        for j, t in enumerate(keep):
+            if not 0 <= t < len(self.parents) or self.parents[t] != parent:
+                raise ValueError(f"keep[{j}]: expected a child of tree token {parent}, got {t}")
+            parent = t
+
+    def mask(self, start: int, window: int | None, device) -> torch.Tensor:
+        """[n, base + len] bool for span tokens start..: True where the token may attend."""
+        n, span = len(self.parents) - start, len(self.parents)
+        bits = torch.tensor([self.ancestry[t] for t in range(start, span)], dtype=torch.int64)
+        inside = (bits[:, None] >> torch.arange(span)[None, :]) & 1 == 1  # [n, span] ancestor-or-self
+        mask = torch.cat([torch.ones(n, self.base, dtype=torch.bool), inside], dim=1)
+        if window is not None:
+            query = self.base + torch.tensor(self.depths[start:])[:, None]  # positions, not slots
+            key = torch.cat([torch.arange(self.base), self.base + torch.tensor(self.depths)])[None, :]
+            mask &= query - key < window
+        return mask.to(device)
+
+
+def extend_span(state: State, ids: Sequence[int], parents: Sequence[int] | None) -> tuple[int, list[int]]:
+    """Bookkeeping of one forward's new tokens: opens or grows the state's tree when
+    `parents` is given. Returns (the first new token's index in the span, or -1 for plain
+    history tokens; the new tokens' positions)."""
+    length = len(state.tokens)
+    if parents is None:
+        if state.tree is not None:
+            raise ValueError("ids: a tree is open (accept_tree first), got history tokens")
+        return -1, list(range(length, length + len(ids)))
+    if len(parents) != len(ids):
+        raise ValueError(f"parents: expected {len(ids)} entries (one per id), got {len(parents)}")
+    if state.tree is None:
+        state.tree = TreeSpan(base=length)
+    start = len(state.tree.parents)
+    state.tree.add(parents)
+    return start, [state.tree.base + d for d in state.tree.depths[start:]]
+
+
+def close_span(state: State, keep: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Keep the path `keep` of the open tree as history, drop the rest. Returns the
+    (source, destination) slots whose KV moves (only those that change place)."""
+    tree = state.tree
+    if tree is None:
+        raise ValueError("state: expected an open tree (extend_tree), got none")
+    tree.check_path(keep)
+    src = [tree.base + t for t in keep]
+    dst = list(range(tree.base, tree.base + len(keep)))
+    state.tokens[tree.base :] = [state.tokens[s] for s in src]
+    state.tree = None
+    moves = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
+    return [s for s, _ in moves], [d for _, d in moves]
 
 
 class Tokenizer(Protocol):
@@ -59,6 +136,21 @@ class CausalLM(Protocol):
 
     def truncate(self, state: State, length: int) -> None:
         """Keep the first `length` consumed tokens (drop rejected positions)."""
+
+    # Candidate trees (multi-draft). A model that cannot mask attention by ancestry sets
+    # supports_trees = False and the nodes then draft chains only.
+    supports_trees: bool
+
+    def extend_tree(
+        self, states: Sequence[State], ids: Sequence[Sequence[int]], parents: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
+        """extend_batch where row r's new ids are tree tokens: parents[r][i] is the parent's
+        index in the row's open tree (tokens of earlier extend_tree calls count; -1 = the
+        last history token). Logits row i predicts the token after ids[i] given its path."""
+
+    def accept_tree(self, state: State, keep: Sequence[int]) -> None:
+        """Close the open tree: the path `keep` (tree indices, root child first) becomes
+        history, every other tree token is dropped."""
 
     def export_state(self, state: State) -> list[torch.Tensor]:
         """The state as tensors matching `kv_layout` (SEQ = len(state.tokens))."""

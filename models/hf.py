@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from models.base import GrowingKv, State
+from models.base import GrowingKv, State, TreeSpan, close_span
 from models.pair import ModelPair
 from models.tokenizer import TextTokenizer
 from protos.contract import SEQ, KvTensorSpec
@@ -139,6 +139,27 @@ class HFCausalLM(GrowingKv):
             states[i].tokens += new[row]
             out[i] = logits[row, : len(new[row])]
         return out
+
+    # transformers' caches hold one linear history per row: only chain-shaped "trees" (one
+    # candidate per node) are verified here; the nodes draft chains for this backend.
+    supports_trees = False
+
+    def extend_tree(
+        self, states: Sequence[State], ids: Sequence[Sequence[int]], parents: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
+        for state, row, row_parents in zip(states, ids, parents, strict=True):
+            start = len(state.tree.parents) if state.tree is not None else 0
+            if list(row_parents) != list(range(start - 1, start - 1 + len(row))):
+                raise ValueError(f"parents: expected a chain (the transformers backend), got {list(row_parents)}")
+            if state.tree is None:
+                state.tree = TreeSpan(base=len(state.tokens))
+            state.tree.add(row_parents)
+        return self.extend_batch(states, ids)
+
+    def accept_tree(self, state: State, keep: Sequence[int]) -> None:
+        close_span(state, keep)  # a chain's path moves nothing
+        length = len(state.tokens)
+        state.kv = _cache_from([(k[:, :, :length], v[:, :, :length]) for k, v in _layers(state.kv)])
 
     def empty_state(self) -> State:
         from transformers import DynamicCache

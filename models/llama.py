@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.base import GrowingKv, State, check_kv_tensors
+from models.base import GrowingKv, State, check_kv_tensors, close_span, extend_span
 from protos.contract import SEQ, KvTensorSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -362,12 +362,14 @@ class ContiguousKv:
 class ContiguousBatch:
     """A `KvStore` for one ragged forward over contiguous caches: row r owns new tokens
     [offsets[r], offsets[r+1]) of the flattened batch and appends them at caches[r].length.
-    Attention is a per-row SDPA with a causal (and optional sliding-window) mask; `commit()`
-    advances the lengths once every layer has written."""
+    Attention is a per-row SDPA with a causal (and optional sliding-window) mask, or the
+    row's tree mask (`tree_masks[r]`, models/base.TreeSpan); `commit()` advances the
+    lengths once every layer has written."""
 
     caches: Sequence[ContiguousKv]
     new_lengths: Sequence[int]
     sliding_window: int | None = None
+    tree_masks: Sequence[torch.Tensor | None] | None = None
     _masks: list[torch.Tensor | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -376,9 +378,10 @@ class ContiguousBatch:
             self.offsets.append(self.offsets[-1] + n)
         for cache, n in zip(self.caches, self.new_lengths, strict=True):
             cache.reserve(cache.length + n)
+        trees = self.tree_masks or [None] * len(self.caches)
         self._masks = [
-            self._mask(cache.length, n, cache.keys[0].device)
-            for cache, n in zip(self.caches, self.new_lengths, strict=True)
+            tree if tree is not None else self._mask(cache.length, n, cache.keys[0].device)
+            for cache, n, tree in zip(self.caches, self.new_lengths, trees, strict=True)
         ]
 
     def _mask(self, past: int, n: int, device) -> torch.Tensor | None:
@@ -460,19 +463,32 @@ class LlamaCausalLM(GrowingKv):
         c = self.config
         return ContiguousKv.empty(self.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
 
-    def _run(self, states: Sequence[State], ids: Sequence[Sequence[int]], *, last_only: bool = False):
+    def _run(
+        self,
+        states: Sequence[State],
+        ids: Sequence[Sequence[int]],
+        *,
+        last_only: bool = False,
+        parents: Sequence[Sequence[int]] | None = None,
+    ):
         lengths = [len(row) for row in ids]
-        past = [s.kv.length for s in states]
+        spans = [
+            extend_span(s, row, None if parents is None else parents[r])
+            for r, (s, row) in enumerate(zip(states, ids, strict=True))
+        ]
         tokens = torch.tensor([t for row in ids for t in row], dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(past, lengths, strict=True)]).to(self.device)
-        seq_lens = torch.cat(
-            [torch.full((n,), p + n, dtype=torch.int64) for p, n in zip(past, lengths, strict=True)]
-        ).to(self.device)
+        positions = torch.tensor([p for _, row in spans for p in row], dtype=torch.int64, device=self.device)
+        # Dynamic-NTK RoPE reads each token's row length: the longest path through the row.
+        seq_lens = torch.tensor([max(row) + 1 for _, row in spans for _ in row], dtype=torch.int64, device=self.device)
         logits_at = None
         if last_only:
             ends = torch.tensor(lengths).cumsum(0) - 1
             logits_at = ends.to(self.device)
-        batch = ContiguousBatch([s.kv for s in states], lengths, self.config.sliding_window)
+        window = self.config.sliding_window
+        masks = None
+        if parents is not None:
+            masks = [s.tree.mask(start, window, self.device) for s, (start, _) in zip(states, spans, strict=True)]
+        batch = ContiguousBatch([s.kv for s in states], lengths, window, masks)
         with torch.inference_mode():
             logits = self.module(
                 tokens, positions, batch, logits_at=logits_at, num_layers=self.num_layers, seq_lens=seq_lens
@@ -515,6 +531,31 @@ class LlamaCausalLM(GrowingKv):
             raise ValueError(f"length: expected 0..{len(state.tokens)}, got {length}")
         state.kv.length = length  # the slots past it are overwritten by the next extend
         del state.tokens[length:]
+
+    supports_trees = True
+
+    def extend_tree(
+        self, states: Sequence[State], ids: Sequence[Sequence[int]], parents: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
+        rows = [list(row) for row in ids]
+        if not len(states) == len(rows) == len(parents):
+            raise ValueError(f"ids/parents: expected {len(states)} rows each, got {len(rows)} and {len(parents)}")
+        live = [i for i, row in enumerate(rows) if row]
+        out = [torch.empty(0, self.vocab_size) for _ in rows]
+        if live:
+            logits = self._run([states[i] for i in live], [rows[i] for i in live], parents=[parents[i] for i in live])
+            for i, part in zip(live, logits.split([len(rows[i]) for i in live]), strict=True):
+                out[i] = part
+        return out
+
+    def accept_tree(self, state: State, keep: Sequence[int]) -> None:
+        src, dst = close_span(state, keep)
+        cache = state.kv
+        if src:  # gather first: a destination may be a later source
+            src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+            for tensor in (*cache.keys, *cache.values):
+                tensor[:, dst_t] = tensor[:, src_t]
+        cache.length = len(state.tokens)
 
     def export_state(self, state: State) -> list[torch.Tensor]:
         cache, n = state.kv, state.kv.length

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.base import GrowingKv, State
+from models.base import GrowingKv, State, close_span, extend_span
 from models.pair import ModelPair
 from models.tokenizer import ByteTokenizer
 from protos.contract import KvTensorSpec
@@ -142,6 +142,33 @@ class NgramModel(GrowingKv):
 
     def empty_state(self) -> State:
         return State(tokens=[])
+
+    supports_trees = True
+
+    def extend_tree(
+        self, states: Sequence[State], ids: Sequence[Sequence[int]], parents: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
+        """Each tree token's logits from the history plus its own path (its ancestors)."""
+        if not len(states) == len(ids) == len(parents):
+            raise ValueError(f"ids/parents: expected {len(states)} rows each, got {len(ids)} and {len(parents)}")
+        out = []
+        for state, row, row_parents in zip(states, ids, parents, strict=True):
+            start, _ = extend_span(state, row, row_parents)
+            state.tokens += [int(t) for t in row]
+            tree = state.tree
+            history = state.tokens[: tree.base]
+            logits = []
+            for t in range(start, len(tree.parents)):
+                path, node = [], t
+                while node >= 0:
+                    path.append(state.tokens[tree.base + node])
+                    node = tree.parents[node]
+                logits.append(self._logits(history + path[::-1]))
+            out.append(torch.stack(logits) if logits else torch.empty(0, self.vocab_size))
+        return out
+
+    def accept_tree(self, state: State, keep: Sequence[int]) -> None:
+        close_span(state, keep)
 
     def truncate(self, state: State, length: int) -> None:
         if not 0 <= length <= len(state.tokens):

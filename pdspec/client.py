@@ -64,12 +64,14 @@ class Client:
         stop_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         num_speculative_tokens: int | None = None,
+        draft_candidates: int | None = None,
         request_id: str | None = None,
         timeout: float | None = 60.0,
     ) -> Iterator[pdspec_pb2.GenerateResponse]:
         """The raw response stream; cancel it by closing the iterator.
 
-        num_speculative_tokens None: the server's default K. timeout None: no deadline."""
+        num_speculative_tokens / draft_candidates None: the server's default K / candidates
+        per draft node (> 1: multi-draft trees). timeout None: no deadline."""
         sampling = pdspec_pb2.SamplingParams(
             do_sample=not greedy,
             temperature=temperature,
@@ -89,6 +91,8 @@ class Client:
         )
         if num_speculative_tokens is not None:
             request.num_speculative_tokens = num_speculative_tokens
+        if draft_candidates is not None:
+            request.draft_candidates = draft_candidates
         return self.stub.Generate(request, timeout=timeout)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Generation:

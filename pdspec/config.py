@@ -75,6 +75,13 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
         help="how the draft proposes: top-1 point mass, or sampling with the request's parameters",
     )
     parser.add_flag("--max-speculative-tokens", default=8, type=int, help="largest K a request may ask for")
+    parser.add_flag(
+        "--max-draft-candidates",
+        default=4,
+        type=int,
+        help="most candidates per draft node a request may ask for (multi-draft trees; 1 = chains only)",
+    )
+    parser.add_flag("--max-tree-nodes", default=64, type=int, help="most nodes of one proposal tree (<= 64)")
     parser.add_flag("--default-max-new-tokens", default=64, type=int, help="when a request says 0")
     parser.add_flag("--max-new-tokens-limit", default=4096, type=int, help="largest max_new_tokens a request may ask")
     parser.add_flag("--max-prompt-tokens", default=8192, type=int, help="longest prompt a request may send")

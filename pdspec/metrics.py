@@ -12,7 +12,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -56,6 +56,12 @@ class NodeMetrics:
             "pdspec_spec_accepted_tokens_per_position",
             "Accepted draft tokens by 0-based draft position",
             ["do_sample", "position"],
+            registry=reg,
+        )
+        self.accepted_per_rank = Counter(
+            "pdspec_spec_accepted_tokens_per_rank",
+            "Accepted draft tokens by rank among their sibling candidates (0 = drawn first; chains: 0)",
+            ["do_sample", "rank"],
             registry=reg,
         )
         self.accept_length = Histogram(
@@ -147,8 +153,11 @@ class NodeMetrics:
         for name in fields:
             self.validation_rejections.labels(self.node, name)
 
-    def record_step(self, do_sample: bool, num_draft: int, accepted: int, emitted: int) -> None:
-        """One row of one verify step; K = 0 steps verify nothing and are not recorded."""
+    def record_step(
+        self, do_sample: bool, num_draft: int, accepted: int, emitted: int, ranks: Sequence[int] = ()
+    ) -> None:
+        """One row of one verify step (num_draft: draft tokens or tree nodes; ranks: of each
+        accepted node among its siblings); K = 0 steps verify nothing and are not recorded."""
         if num_draft == 0:
             return
         label = DO_SAMPLE[int(do_sample)]
@@ -158,6 +167,8 @@ class NodeMetrics:
         self.emitted_tokens.labels(label).inc(emitted)
         for position in range(accepted):
             self.accepted_per_position.labels(label, str(position)).inc()
+        for rank in ranks:
+            self.accepted_per_rank.labels(label, str(rank)).inc()
         self.accept_length.labels(label).observe(emitted)
 
     def finish_request(self, started: float, code: str) -> None:

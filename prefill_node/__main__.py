@@ -45,6 +45,12 @@ def build_parser():
         "--num-speculative-tokens", default=4, type=int, help="K of a request that does not set it (0 = off)"
     )
     parser.add_flag(
+        "--draft-candidates",
+        default=1,
+        type=int,
+        help="candidates per draft node of a request that does not set it (1 = a chain; trees verified exactly)",
+    )
+    parser.add_flag(
         "--max-streams", default=160, type=int, help="concurrent Generate streams (then RESOURCE_EXHAUSTED)"
     )
     parser.add_flag(
@@ -101,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
         kv_chunk_bytes=args.kv_chunk_bytes,
         max_speculative_tokens=args.max_speculative_tokens,
         num_speculative_tokens=args.num_speculative_tokens,
+        draft_candidates=args.draft_candidates,
+        max_draft_candidates=args.max_draft_candidates,
+        max_tree_nodes=args.max_tree_nodes,
         default_max_new_tokens=args.default_max_new_tokens,
         limits=request_limits(args),
         device=args.device,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.proposer import draft_tokens
+from engine.proposer import Drafted, check_tree_limits, draft_tokens, shape_nodes, tree_shape
 from models.base import State
 from models.pair import ModelPair
 from pdspec.stopping import finish_reason
@@ -35,6 +35,7 @@ from protos.wire import WireDecodeRequest
 from sampling import RequestRng, SamplingParams, SamplingTensors, sample_target
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
+from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class PrefillConfig:
     kv_chunk_bytes: int = 4 << 20
     max_speculative_tokens: int = 8  # lowered to the decode peer's when it reports less
     num_speculative_tokens: int = 4  # K of a request that does not say (clamped to the maximum)
+    draft_candidates: int = 1  # candidates per draft node of a request that does not say (1: chains)
+    max_draft_candidates: int = 4  # lowered to the decode peer's when it reports less
+    max_tree_nodes: int = MAX_TREE_NODES  # likewise
     default_max_new_tokens: int = 64
     max_prefill_tokens: int = 8192  # prompt tokens per prefill step, over all batched requests (chunking)
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -63,6 +67,9 @@ class PrefillConfig:
         return choose_encoding(self.proposal_encoding, self.draft_law, self.compact_encodings)
 
     def __post_init__(self) -> None:
+        check_tree_limits(self.max_draft_candidates, self.max_tree_nodes)
+        if not 1 <= self.draft_candidates <= self.max_draft_candidates:
+            raise ValueError(f"draft_candidates: expected 1..{self.max_draft_candidates}, got {self.draft_candidates}")
         if self.proposal_encoding is ProposalEncoding.POINT_MASS and self.draft_law is not DraftLaw.POINT_MASS:
             raise ValueError(
                 "proposal_encoding: expected dense or sparse for a stochastic draft law "
@@ -77,6 +84,7 @@ class Checked:
     request_id: str  # the client's, or a generated one when it sent none
     ids: list[int]  # the prompt, tokenized
     k: int
+    candidates: int  # per draft node (1: a chain)
     max_new_tokens: int
     params: SamplingParams
     sampling: pdspec_pb2.SamplingParams  # as it travels on to the decode node
@@ -108,6 +116,9 @@ class PrefillEngine:
         self.contract = pair.contract()
         self.fingerprint = self.contract.fingerprint()
         self.max_speculative_tokens = config.max_speculative_tokens
+        self.trees = pair.target.supports_trees and pair.draft.supports_trees  # the models mask by tree
+        self.max_draft_candidates = config.max_draft_candidates if self.trees else 1  # lowered to the peer's
+        self.max_tree_nodes = config.max_tree_nodes
         self.d2t = pair.d2t.to(config.device)
         self._lock = threading.Lock()  # one caller runs the models at a time (they need not be thread-safe)
         self._jobs_lock = threading.Lock()
@@ -158,12 +169,20 @@ class PrefillEngine:
             k = min(self.config.num_speculative_tokens, self.max_speculative_tokens)
         if not 0 <= k <= self.max_speculative_tokens:
             found.append(Violation("num_speculative_tokens", f"0..{self.max_speculative_tokens}", str(k)))
+        if request.HasField("draft_candidates"):
+            candidates = request.draft_candidates
+        else:
+            candidates = max(1, min(self.config.draft_candidates, self.max_draft_candidates))
+        if not 1 <= candidates <= self.max_draft_candidates:
+            found.append(Violation("draft_candidates", f"1..{self.max_draft_candidates}", str(candidates)))
         if found:
             return found
         sampling = pdspec_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         sampling.max_new_tokens = request.sampling.max_new_tokens or self.config.default_max_new_tokens
-        return Checked(request.request_id or uuid.uuid4().hex, ids, k, sampling.max_new_tokens, params, sampling)
+        return Checked(
+            request.request_id or uuid.uuid4().hex, ids, k, candidates, sampling.max_new_tokens, params, sampling
+        )
 
     def prefill(self, checked: Checked) -> Prefilled:
         """Run a checked request up to the DecodeRequest (or to its end).
@@ -244,9 +263,9 @@ class PrefillEngine:
             return
         jobs = [jobs[row] for row in going]
         drafted = self._propose(jobs, rows.select(going))
-        for job, (draft_ids, draft_probs) in zip(jobs, drafted, strict=True):
+        for job, proposal in zip(jobs, drafted, strict=True):
             kv = pair.target.export_state(job.state)
-            self._end(job, result=self._decode_request(job, draft_ids, draft_probs, kv))
+            self._end(job, result=self._decode_request(job, proposal, kv))
 
     def _end(self, job: _Job, *, result: Prefilled | None = None, error: BaseException | None = None) -> None:
         if job.state is not None:
@@ -258,7 +277,7 @@ class PrefillEngine:
                 self._jobs.remove(job)
         job.done.set()
 
-    def _decode_request(self, job: _Job, draft_ids: torch.Tensor, draft_probs, kv: list[torch.Tensor]) -> Prefilled:
+    def _decode_request(self, job: _Job, proposal: Drafted, kv: list[torch.Tensor]) -> Prefilled:
         checked, pair = job.checked, self.pair
         header = pdspec_pb2.DecodeRequest(
             request_id=checked.request_id,
@@ -268,17 +287,19 @@ class PrefillEngine:
             first_token_id=job.first,
             num_speculative_tokens=checked.k,
             sampling=checked.sampling,
+            draft_candidates=checked.candidates,
         )
         wire = WireDecodeRequest(header)
         encoding = self.config.encoding
         encode_proposal(
-            pair.d2t.map_tokens(draft_ids),
-            draft_ids,
-            draft_probs,
+            torch.tensor(proposal.target_ids, dtype=torch.int64),
+            torch.tensor(proposal.draft_ids, dtype=torch.int64),
+            proposal.probs,
             pair.draft.vocab_size,
             encoding,
             out=header.proposal,
             set_tensor=lambda name, tensor: wire.set_tensor(f"proposal.{name}", tensor),
+            parents=None if proposal.is_chain else proposal.parents,
         )
         if not self.streams(kv):
             for i, tensor in enumerate(kv):
@@ -290,22 +311,30 @@ class PrefillEngine:
         size = sum(t.numel() * t.element_size() for t in kv)
         return self.config.kv_streaming or size > self.config.kv_stream_threshold_bytes
 
-    def _propose(self, jobs: list[_Job], rows: SamplingTensors) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Each job's K draft-space tokens and, for a stochastic law, their distributions [K, Vd]."""
-        ks = [job.checked.k for job in jobs]
-        k_max = max(ks)
-        # K uniforms per request, drawn for either law (its stream never depends on the law)
+    def shape(self, checked: Checked) -> tuple[int, ...]:
+        """The tree shape of a request's proposal (all ones: a chain of K)."""
+        return tree_shape(checked.k, checked.candidates, self.max_tree_nodes)
+
+    def _propose(self, jobs: list[_Job], rows: SamplingTensors) -> list[Drafted]:
+        """Each job's proposal tree (engine/proposer.py; a chain of K drafts for one candidate)."""
+        shapes = [self.shape(job.checked) for job in jobs]
+        sizes = [shape_nodes(shape) for shape in shapes]
+        # One uniform per node of the full shape, drawn for either law (its stream never depends on the law)
         uniforms = torch.stack(
-            [torch.nn.functional.pad(job.rng.uniforms(k), (0, k_max - k)) for job, k in zip(jobs, ks, strict=True)]
+            [
+                torch.nn.functional.pad(job.rng.uniforms(n), (0, max(sizes) - n))
+                for job, n in zip(jobs, sizes, strict=True)
+            ]
         ).to(self.config.device)
-        if not k_max:
-            return [(torch.zeros(0, dtype=torch.int64), None) for _ in jobs]
+        out = [Drafted([], [], [], None) for _ in jobs]
+        drafting = [i for i, n in enumerate(sizes) if n]
+        if not drafting:
+            return out
         draft = self.pair.draft
-        drafting = [i for i, k in enumerate(ks) if k]
         states = [draft.empty_state() for _ in drafting]
         try:
             for i, state in zip(drafting, states, strict=True):
-                draft.reserve(state, len(jobs[i].checked.ids) + ks[i])
+                draft.reserve(state, len(jobs[i].checked.ids) + 1 + sizes[i])
             draft.extend_last(states, [jobs[i].checked.ids for i in drafting])
             drafted = draft_tokens(
                 draft,
@@ -313,16 +342,15 @@ class PrefillEngine:
                 self.config.draft_law,
                 states,
                 [[jobs[i].first] for i in drafting],
-                [ks[i] for i in drafting],
+                [shapes[i] for i in drafting],
                 rows.select(drafting),
                 uniforms[drafting],
             )
         finally:
             for state in states:
                 draft.release(state)
-        out: list[tuple[torch.Tensor, torch.Tensor | None]] = [(torch.zeros(0, dtype=torch.int64), None)] * len(jobs)
-        for i, d in zip(drafting, drafted, strict=True):
-            out[i] = (torch.tensor(d.draft_ids, dtype=torch.int64), d.probs)
+        for i, proposal in zip(drafting, drafted, strict=True):
+            out[i] = proposal
         return out
 
 

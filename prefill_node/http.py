@@ -321,6 +321,7 @@ def stats_json(stats: pdspec_pb2.RequestStats) -> dict:
         "draft_tokens": draft,
         "accepted_tokens": stats.accepted_tokens,
         "accepted_per_position": list(stats.accepted_per_position),
+        "accepted_per_rank": list(stats.accepted_per_rank),
         "acceptance_rate": stats.accepted_tokens / draft if draft else None,
     }
 

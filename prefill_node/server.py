@@ -34,6 +34,7 @@ from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.contract import max_message_bytes
 from protos.rpc import DecodeStub
 from protos.status import to_grpc_status
+from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
 SERVICE = pdspec_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
@@ -173,6 +174,9 @@ class DecodePeer:
                 self.engine.config.max_speculative_tokens,
                 self.engine.max_speculative_tokens,
             )
+        own = self.engine.config.max_draft_candidates if self.engine.trees else 1
+        self.engine.max_draft_candidates = min(own, max(1, info.max_draft_candidates))  # 0: a peer before trees
+        self.engine.max_tree_nodes = min(self.engine.config.max_tree_nodes, info.max_tree_nodes or MAX_TREE_NODES)
         if info.draft_law and info.draft_law != self.engine.config.draft_law.value:
             # Still exact (every proposal carries its own law), but the two sides draft differently.
             log.warning("draft law differs: prefill %s, decode %s", self.engine.config.draft_law.value, info.draft_law)
@@ -274,6 +278,8 @@ def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.No
         max_prompt_tokens=limits.max_prompt_tokens,
         dtype=model_dtype(engine.pair),
         backends=json.dumps(backends(engine.pair)),
+        max_draft_candidates=config.engine.max_draft_candidates if engine.trees else 1,
+        max_tree_nodes=config.engine.max_tree_nodes,
     )
 
 
@@ -283,9 +289,8 @@ def run_server(
 ) -> Iterator[RunningPrefillNode]:
     pair = paged_pair((pair_loader or config.models.load)(), config.models.kv_budget())
     engine = PrefillEngine(pair, config.engine)
-    limit = config.max_message_bytes or max_message_bytes(
-        engine.contract, config.engine.max_speculative_tokens, config.engine.limits.max_prompt_tokens
-    )
+    rows = max(config.engine.max_speculative_tokens, config.engine.max_tree_nodes if engine.trees else 0)
+    limit = config.max_message_bytes or max_message_bytes(engine.contract, rows, config.engine.limits.max_prompt_tokens)
     metrics = NodeMetrics("prefill", config.engine.max_speculative_tokens, VALIDATED_FIELDS)
     shell = NodeShell(
         SERVICE,

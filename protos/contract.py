@@ -66,13 +66,11 @@ def _fingerprint(contract: Contract) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def max_message_bytes(
-    contract: Contract, max_speculative_tokens: int, max_prompt_tokens: int, slack: int = 1 << 20
-) -> int:
-    """gRPC message limit for a DecodeRequest: the largest DENSE proposal, the KV of the
-    longest prompt, the prompt ids and a slack for everything else (protobuf framing,
-    ids, sampling parameters). DENSE at V = 151936, K = 8 alone is 4.9 MB, above gRPC's
-    4 MiB default, so both sides must configure this."""
-    proposal = max_speculative_tokens * contract.draft_vocab_size * 4
+def max_message_bytes(contract: Contract, max_proposal_rows: int, max_prompt_tokens: int, slack: int = 1 << 20) -> int:
+    """gRPC message limit for a DecodeRequest: the largest DENSE proposal (K drafts, or the
+    nodes of the largest tree), the KV of the longest prompt, the prompt ids and a slack
+    for everything else (protobuf framing, ids, sampling parameters). DENSE at V = 151936,
+    K = 8 alone is 4.9 MB, above gRPC's 4 MiB default, so both sides must configure this."""
+    proposal = max_proposal_rows * contract.draft_vocab_size * 4
     prompt_ids = max_prompt_tokens * 5  # varint-packed int32, at most 5 bytes each
     return proposal + contract.kv_bytes(max_prompt_tokens) + prompt_ids + slack

@@ -14,7 +14,7 @@ All three carry the exact distribution each draft token was drawn from:
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,9 +49,11 @@ def encode_proposal(
     encoding: ProposalEncoding = ProposalEncoding.DENSE,
     out: pdspec_pb2.Proposal | None = None,
     set_tensor: Callable[[str, torch.Tensor], object] | None = None,
+    parents: Sequence[int] | None = None,
 ) -> pdspec_pb2.Proposal:
     """The Proposal message; pass `out` (e.g. `request.proposal`) to fill it in place, and
-    `set_tensor(name, tensor)` to ship the tensors another way (protos.wire: as views)."""
+    `set_tensor(name, tensor)` to ship the tensors another way (protos.wire: as views).
+    A candidate tree: the ids (and rows) are its nodes, `parents` its breadth-first layout."""
     k = int(target_token_ids.shape[0])
     proposal = pdspec_pb2.Proposal() if out is None else out
     proposal.Clear()
@@ -63,6 +65,8 @@ def encode_proposal(
             set_tensor(name, tensor)
 
     proposal.token_ids[:] = target_token_ids.tolist()
+    if parents is not None:
+        proposal.parents[:] = list(parents)
     if encoding is ProposalEncoding.POINT_MASS:
         if draft_probs is not None:
             raise ValueError("encoding: POINT_MASS is exact only for a point-mass law, got a dense distribution")

@@ -21,6 +21,7 @@ from protos.codec import WIRE_DTYPES, TensorDecodeError, decode_tensor, dtype_na
 from protos.contract import Contract
 from sampling import DraftToTargetMap, SamplingParams
 from sampling.params import InvalidParameter
+from sampling.tree import MAX_TREE_NODES
 
 Encoding = pdspec_pb2.Proposal.Encoding
 DataType = pdspec_pb2.TensorPB.DataType
@@ -74,13 +75,23 @@ class Receiver:
     max_speculative_tokens: int
     d2t_map: DraftToTargetMap
     limits: RequestLimits = RequestLimits()
+    max_draft_candidates: int = 1  # 1: chains only
+    max_tree_nodes: int = MAX_TREE_NODES
 
     @classmethod
     def from_contract(
-        cls, contract: Contract, max_speculative_tokens: int, limits: RequestLimits | None = None
+        cls,
+        contract: Contract,
+        max_speculative_tokens: int,
+        limits: RequestLimits | None = None,
+        *,
+        max_draft_candidates: int = 1,
+        max_tree_nodes: int = MAX_TREE_NODES,
     ) -> Receiver:
         d2t = DraftToTargetMap(torch.tensor(contract.d2t, dtype=torch.int64), contract.target_vocab_size)
-        return cls(contract, max_speculative_tokens, d2t, limits or RequestLimits())
+        return cls(
+            contract, max_speculative_tokens, d2t, limits or RequestLimits(), max_draft_candidates, max_tree_nodes
+        )
 
 
 @dataclass(frozen=True)
@@ -93,14 +104,13 @@ class DecodeInput:
     params: SamplingParams
     max_new_tokens: int  # the client's total (0 = server default)
     stop_token_ids: list[int]
-    draft_token_ids: torch.Tensor  # [K] int64, target ids
-    draft_probs: torch.Tensor | None  # [K, Vt] float32 target space; None = point mass
+    draft_token_ids: torch.Tensor  # [N] int64, target ids (K for a chain)
+    draft_probs: torch.Tensor | None  # [N, Vt] float32 target space; None = point mass
     kv_cache: list[torch.Tensor] = field(default_factory=list)
     logprobs: int = 0  # top log-probabilities to report per token (0 = none)
-
-    @property
-    def num_speculative_tokens(self) -> int:
-        return int(self.draft_token_ids.shape[0])
+    num_speculative_tokens: int = 0  # K: the depth of this request's proposals
+    draft_parents: list[int] = field(default_factory=list)  # [N] breadth-first tree (-1 = first token)
+    draft_candidates: int = 1  # candidates per node of the trees the decode node drafts
 
 
 def validate_decode_request(
@@ -136,11 +146,18 @@ def validate_decode_request(
     if not 0 <= k <= receiver.max_speculative_tokens:
         found.append(Violation("num_speculative_tokens", f"0..{receiver.max_speculative_tokens}", str(k)))
         return found  # K sizes everything below
-    proposal = request.proposal
-    if len(proposal.token_ids) != k:
+    candidates = request.draft_candidates or 1
+    if not 1 <= candidates <= receiver.max_draft_candidates:
         found.append(
-            Violation("proposal.token_ids", f"{k} ids (num_speculative_tokens)", f"{len(proposal.token_ids)} ids")
+            Violation("draft_candidates", f"0..{receiver.max_draft_candidates}", str(request.draft_candidates))
         )
+        return found
+    proposal = request.proposal
+    nodes = len(proposal.token_ids)
+    if not proposal.parents and nodes != k:
+        found.append(Violation("proposal.token_ids", f"{k} ids (num_speculative_tokens)", f"{nodes} ids"))
+    if proposal.parents and not check_tree(proposal.parents, nodes, k, candidates, receiver.max_tree_nodes, found):
+        return found  # the node count sizes the distributions below
     check_ids("proposal.token_ids", proposal.token_ids, vocab, found)
     if kv_manifest is None:
         kv_cache = _decode_kv(request.kv_cache, contract, len(request.prompt_token_ids), found, payloads)
@@ -149,14 +166,16 @@ def validate_decode_request(
         if len(request.kv_cache):
             found.append(Violation("kv_cache", "0 tensors with a kv_manifest (streamed)", f"{len(request.kv_cache)}"))
         check_kv_manifest(kv_manifest, contract, len(request.prompt_token_ids), found)
-    draft_probs = _decode_proposal(proposal, k, receiver, found, payloads)
+    draft_probs = _decode_proposal(proposal, nodes, receiver, found, payloads)
     if found:
         return found
     draft_token_ids = torch.tensor(list(proposal.token_ids), dtype=torch.int64)
-    if draft_probs is not None and k:
+    if draft_probs is not None and nodes:
         _check_support(draft_probs, draft_token_ids, found)
-        if found:
-            return found
+    if proposal.parents:
+        _check_siblings(draft_probs, draft_token_ids, list(proposal.parents), found)
+    if found:
+        return found
     return DecodeInput(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
@@ -168,6 +187,9 @@ def validate_decode_request(
         draft_probs=draft_probs,
         kv_cache=kv_cache,
         logprobs=request.sampling.logprobs,
+        num_speculative_tokens=k,
+        draft_parents=list(proposal.parents),
+        draft_candidates=candidates,
     )
 
 
@@ -376,6 +398,76 @@ def _check_support(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor, fou
                 f"{int(draft_token_ids[i])} with p = 0",
             )
         )
+
+
+def check_tree(
+    parents: Sequence[int], nodes: int, depth: int, candidates: int, max_nodes: int, found: list[Violation]
+) -> bool:
+    """A breadth-first candidate tree of at most `max_nodes` nodes, `depth` levels and
+    `candidates` children per node (engine/proposer.py's layout)."""
+    if len(parents) != nodes:
+        found.append(Violation("proposal.parents", f"{nodes} entries (one per token id)", f"{len(parents)}"))
+        return False
+    if nodes > max_nodes:
+        found.append(Violation("proposal.token_ids", f"at most {max_nodes} tree nodes (--max-tree-nodes)", str(nodes)))
+        return False
+    levels: list[int] = []
+    fanout: dict[int, int] = {}
+    for n, parent in enumerate(parents):
+        if not -1 <= parent < n or (n and parent < parents[n - 1]):
+            expected = f"{max(-1, parents[n - 1]) if n else -1}..{n - 1} (breadth-first, parents never decrease)"
+            found.append(Violation(f"proposal.parents[{n}]", expected, str(parent)))
+            return False
+        levels.append(1 if parent < 0 else levels[parent] + 1)
+        fanout[parent] = fanout.get(parent, 0) + 1
+        if levels[n] > depth:
+            found.append(
+                Violation(
+                    f"proposal.parents[{n}]",
+                    f"a node at depth <= {depth} (num_speculative_tokens)",
+                    f"depth {levels[n]}",
+                )
+            )
+            return False
+        if fanout[parent] > candidates:
+            found.append(
+                Violation(
+                    f"proposal.parents[{n}]",
+                    f"at most {candidates} children per node (draft_candidates)",
+                    f"{fanout[parent]}",
+                )
+            )
+            return False
+    return True
+
+
+def _check_siblings(
+    draft_probs: torch.Tensor | None, draft_token_ids: torch.Tensor, parents: list[int], found: list[Violation]
+) -> None:
+    """Siblings are drawn without replacement: distinct, and each later one's law gives the
+    earlier ones no mass (a necessary condition of the law the verifier assumes)."""
+    first: dict[int, int] = {}
+    for n, parent in enumerate(parents):
+        start = first.setdefault(parent, n)
+        earlier = draft_token_ids[start:n]
+        if not earlier.numel():
+            continue
+        if bool((earlier == draft_token_ids[n]).any()):
+            found.append(
+                Violation(
+                    f"proposal.token_ids[{n}]",
+                    "a candidate distinct from its earlier siblings",
+                    f"{int(draft_token_ids[n])} again",
+                )
+            )
+            return
+        if draft_probs is not None and bool((draft_probs[n, earlier] > 0).any()):
+            found.append(
+                Violation(
+                    f"proposal.probs[{n}]", "no mass on the earlier siblings (drawn without replacement)", "p > 0"
+                )
+            )
+            return
 
 
 def _decode_kv(

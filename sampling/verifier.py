@@ -4,11 +4,16 @@ Glues the target sampler, the per-request RNG and the rejection sampler; the cal
 draft distributions to target space first (`DraftToTargetMap.map_probs`).
 Per row and step the request's generator yields 2*(K+1) uniforms in a fixed order:
 K+1 for the target sampler, then K+1 for rejection sampling, so a seeded request gets
-the same tokens whatever else is in the batch.
+the same tokens whatever else is in the batch. A candidate tree of N nodes (`verify_tree`)
+draws 2*(N+1) the same way: its node n tests with rejection uniform n, and the residual
+draw after the children of a node are all rejected uses uniform (its last child + 1) —
+for a chain exactly the chain's rule, and in a breadth-first layout never a uniform the
+walk has used (every node the walk tests precedes that index, every later one is untested).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +23,7 @@ from sampling.params import SamplingParams, SamplingTensors
 from sampling.rejection import Backend, RejectionSampler
 from sampling.rng import RequestRng, batch_uniforms
 from sampling.target_sampler import sample_target
+from sampling.tree import TreeResult, tree_rejection_sample
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class VerifyResult:
     output_token_ids: torch.Tensor  # [B, K+1] int32, -1 after the last emitted token
     accepted_token_num: torch.Tensor  # [B] int32, emitted tokens per row (1..K+1)
     stats: StepStats
+    accepted_nodes: torch.Tensor | None = None  # trees: [B, N] int32 node of each accepted token, -1 after
 
     def emitted_rows(self) -> list[list[int]]:
         """Every row's emitted tokens, in order: one host transfer for the whole batch."""
@@ -55,10 +62,14 @@ class Verifier:
         backend: Backend = "auto",
         device: torch.device | str = "cpu",
         sampler: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+        tree_sampler: Callable[..., TreeResult] | None = None,
     ):
         self.device = torch.device(device)
-        # `sampler` replaces the rejection sampler (the tests plug in a deliberately biased one).
+        # `sampler` / `tree_sampler` replace the chain / tree rejection samplers (the tests
+        # plug in deliberately biased ones).
         self.sampler = sampler or RejectionSampler(backend, self.device)
+        backend_name = getattr(self.sampler, "backend", backend)
+        self.tree_sampler = tree_sampler or functools.partial(tree_rejection_sample, backend=backend_name)
 
     def verify(
         self,
@@ -90,3 +101,52 @@ class Verifier:
             accepted_per_position=torch.arange(k, device=self.device) < accepted[:, None],
         )
         return VerifyResult(output, emitted, stats)
+
+    def verify_tree(
+        self,
+        draft_token_ids: torch.Tensor,  # [B, N] int, TARGET-vocab ids, breadth-first, padded
+        parents: torch.Tensor,  # [B, N] int, parent node (-1 = the last emitted token)
+        num_nodes: Sequence[int],  # [B] nodes of each row
+        draft_probs: torch.Tensor | None,  # [B, N, Vt] float32 in TARGET space, None = point mass
+        target_logits: torch.Tensor,  # [B, N+1, Vt]: after the last token, then after each node
+        params: Sequence[SamplingParams],
+        rngs: Sequence[RequestRng],
+    ) -> VerifyResult:
+        """Candidate trees (engine/proposer.py's layout): one launch for the batch, mixed sizes."""
+        batch, n = draft_token_ids.shape
+        if not len(params) == len(rngs) == len(num_nodes) == batch:
+            raise ValueError(f"params/rngs/num_nodes: expected {batch} entries each")
+        rows = SamplingTensors.from_params(params, self.device)
+        uniforms = torch.zeros(batch, 2 * (n + 1))  # [B, 2(N+1)]; row b uses 2(N_b+1) of them
+        for b, (rng, nodes) in enumerate(zip(rngs, num_nodes, strict=True)):
+            drawn = rng.uniforms(2 * (nodes + 1))
+            uniforms[b, : nodes + 1], uniforms[b, n + 1 : n + 2 + nodes] = drawn[: nodes + 1], drawn[nodes + 1 :]
+        # The residual uniform of each context: rejection uniform (its last child + 1).
+        node = torch.arange(n)
+        real = node[None, :] < torch.tensor(list(num_nodes))[:, None]  # [B, N]
+        recover_index = torch.zeros(batch, n + 1, dtype=torch.int64).scatter_reduce(
+            1, (parents.cpu().long() + 1).clamp(min=0) * real, (node[None, :] + 1) * real, "amax"
+        )
+        uniforms = uniforms.to(self.device)
+        rejection = uniforms[:, n + 1 :]  # [B, N+1]
+        target = sample_target(target_logits, rows, uniforms[:, : n + 1].contiguous())
+        result = self.tree_sampler(
+            draft_token_ids.to(self.device),
+            parents.to(self.device),
+            torch.tensor(list(num_nodes), dtype=torch.int64, device=self.device),
+            None if draft_probs is None else draft_probs.to(self.device),
+            target.probs,
+            target.token_ids,
+            rejection[:, :n].contiguous(),
+            rejection.gather(1, recover_index.to(self.device)),
+            rows.do_sample,
+        )
+        emitted = result.accepted_token_num
+        accepted = emitted.long() - 1
+        stats = StepStats(
+            do_sample=rows.do_sample,
+            draft_tokens=torch.tensor(list(num_nodes), dtype=torch.int64, device=self.device),
+            accepted_tokens=accepted,
+            accepted_per_position=torch.arange(n, device=self.device) < accepted[:, None],
+        )
+        return VerifyResult(result.output_token_ids, emitted, stats, result.accepted_nodes)

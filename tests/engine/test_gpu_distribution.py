@@ -1,7 +1,8 @@
 """The transformer exactness test on a GPU (`make test-gpu`): a tiny random Llama on CUDA,
 sampling and rejection sampling on the device (the CuPy kernel), 20,000 seeded requests;
 the joint law of the first 2 tokens matches the model's own probabilities (chi-square,
-alpha 1e-6) for both draft laws, and the biased verifier is caught."""
+alpha 1e-6) for both draft laws and for candidate trees (the CuPy tree kernel), and the
+biased verifier is caught."""
 
 from __future__ import annotations
 
@@ -49,3 +50,23 @@ def test_joint_distribution_on_the_gpu_and_the_biased_verifier(pair, joint, law)
     real_p, biased_p = joint_pvalue(real, joint), joint_pvalue(biased, joint)
     print(f"{law.value}: real p = {real_p:.3g}, biased p = {biased_p:.3g}")
     assert real_p > ALPHA and biased_p < ALPHA
+
+
+def test_candidate_trees_on_the_gpu(pair, joint):
+    """Two candidates per node (the CuPy tree kernel): still the target's joint law."""
+    (real,) = generate_many_verifiers(
+        pair,
+        PROMPT,
+        range(SAMPLES),
+        k=K,
+        law=DraftLaw.STOCHASTIC,
+        max_new_tokens=2,
+        samplers=[None],
+        memoize=True,
+        device="cuda",
+        backend="cupy",
+        candidates=2,
+    )
+    p = joint_pvalue(real, joint)
+    print(f"trees: p = {p:.3g}")
+    assert p > ALPHA

@@ -103,6 +103,8 @@ def generate_many(
     sampler=None,
     batch: int = 4096,
     memoize: bool = False,
+    candidates: int = 1,
+    tree_sampler=None,
 ) -> list[list[int]]:
     """Token lists of one seeded stochastic request per seed (first token included).
     `prompt` is token ids (the request's prompt_token_ids)."""
@@ -117,6 +119,8 @@ def generate_many(
         samplers=[sampler],
         batch=batch,
         memoize=memoize,
+        candidates=candidates,
+        tree_sampler=tree_sampler,
     )[0]
 
 
@@ -134,11 +138,14 @@ def generate_many_verifiers(
     memoize: bool = False,
     device: str = "cpu",
     backend: str = "torch",
+    candidates: int = 1,
+    tree_sampler=None,
 ) -> list[list[list[int]]]:
     """generate_many for several verifiers (None = the real rejection sampler) at the cost
     of one prefill per seed: each request's validated DecodeInput goes to one decode engine
     per sampler (what a decode node receives does not depend on its verifier). One token
-    list per seed for each sampler, in `samplers` order."""
+    list per seed for each sampler, in `samplers` order. `candidates` > 1: proposals are
+    candidate trees, verified by `tree_sampler` (None = the real one)."""
     if memoize:
         pair = memoized(pair)
     prefill = PrefillEngine(pair, PrefillConfig(draft_law=law, device=device))
@@ -146,19 +153,25 @@ def generate_many_verifiers(
         DecodeEngine(
             pair,
             DecodeConfig(
-                max_speculative_tokens=max(k, 1), max_batch=batch, max_queue=len(seeds), draft_law=law, device=device
+                max_speculative_tokens=max(k, 1),
+                max_batch=batch,
+                max_queue=len(seeds),
+                draft_law=law,
+                device=device,
+                max_draft_candidates=candidates,
             ),
-            verifier=Verifier(backend, device, sampler=sampler),
+            verifier=Verifier(backend, device, sampler=sampler, tree_sampler=tree_sampler),
         )
         for sampler in samplers
     ]
-    receiver = Receiver(pair.contract(), max(k, 1), pair.d2t)
+    receiver = Receiver.from_contract(pair.contract(), max(k, 1), max_draft_candidates=candidates)
     firsts, handles = [], []
     for seed in seeds:
         request = pdspec_pb2.GenerateRequest(
             request_id=str(seed),
             prompt_token_ids=list(prompt),
             num_speculative_tokens=k,
+            draft_candidates=candidates,
             sampling=pdspec_pb2.SamplingParams(
                 do_sample=True, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens
             ),

@@ -1,17 +1,20 @@
 """The whole PD pipeline samples exactly from the target: the joint distribution of the first
 3 tokens over 20,000 seeded requests matches the target model's exact probabilities
 (chi-square, alpha = 1e-6), for K in {1, 4} and both draft laws; the same test catches a
-verifier that lets equal ids bypass the ratio test. Requests go through the real prefill
+verifier that lets equal ids bypass the ratio test. Candidate trees (2 per node, depth 3)
+pass the same test, and a tree verifier using with-replacement laws fails it. Requests go through the real prefill
 engine, serialized DecodeRequests, the validator and the batched decode engine
 (tests/nodes/harness.py); the transport is covered by the gRPC tests."""
 
 import collections
 
 import pytest
+import torch
 from scipy import stats
 
 from models.loader import load_pair
 from sampling.proposal import DraftLaw
+from sampling.tree import tree_rejection_sample
 from tests.nodes.harness import exact_joint, generate_many
 from tests.sampling.helpers import ALPHA, biased_rejection_sample
 
@@ -55,5 +58,37 @@ def test_joint_distribution_is_the_targets(pair, joint, k, law):
 def test_biased_verifier_is_caught(pair, joint, law):
     outputs = generate_many(
         pair, PROMPT, range(SAMPLES), k=4, law=law, max_new_tokens=3, sampler=biased_rejection_sample
+    )
+    assert joint_pvalue(outputs, joint) < ALPHA
+
+
+@pytest.mark.parametrize("law", list(DraftLaw), ids=lambda law: law.value)
+def test_candidate_trees_keep_the_targets_distribution(pair, joint, law):
+    """Multi-draft: 2 candidates per node, depth 3 (14-node trees) at both nodes."""
+    outputs = generate_many(pair, PROMPT, range(SAMPLES), k=3, law=law, max_new_tokens=3, candidates=2)
+    assert all(len(out) == 3 for out in outputs)
+    assert joint_pvalue(outputs, joint) > ALPHA
+
+
+def with_replacement_laws(draft_token_ids, parents, num_nodes, draft_probs, *args, **kwargs):
+    """Biased: every sibling tested against its parent's full law (as if drawn WITH
+    replacement), not the law with the earlier siblings removed that it was drawn from."""
+    node = torch.arange(parents.shape[1])
+    same = parents[:, :, None] == parents[:, None, :]  # [B, N, N]
+    first = torch.where(same, node[None, None, :], parents.shape[1]).min(-1).values  # [B, N] first sibling
+    biased = draft_probs.gather(1, first[:, :, None].expand_as(draft_probs))
+    return tree_rejection_sample(draft_token_ids, parents, num_nodes, biased, *args, **kwargs)
+
+
+def test_biased_tree_verifier_is_caught(pair, joint):
+    outputs = generate_many(
+        pair,
+        PROMPT,
+        range(SAMPLES),
+        k=3,
+        law=DraftLaw.STOCHASTIC,
+        max_new_tokens=3,
+        candidates=2,
+        tree_sampler=with_replacement_laws,
     )
     assert joint_pvalue(outputs, joint) < ALPHA

@@ -30,7 +30,7 @@ def test_every_component_changes_the_fingerprint():
 
 def test_message_limit_covers_dense_at_151936_k8():
     contract = Contract(151936, 151936, tuple(range(151936)), "t", "d")
-    limit = max_message_bytes(contract, max_speculative_tokens=8, max_prompt_tokens=4096)
+    limit = max_message_bytes(contract, max_proposal_rows=8, max_prompt_tokens=4096)
     assert limit > 8 * 151936 * 4 > 4 * 1024 * 1024  # 4.9 MB proposal, above gRPC's default
     kv = Contract(10, 10, tuple(range(10)), "t", "d", (KvTensorSpec(torch.bfloat16, (4, SEQ, 64)),))
     assert kv.kv_bytes(100) == 4 * 100 * 64 * 2

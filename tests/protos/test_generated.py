@@ -85,7 +85,10 @@ ADDED = {
     "DecodeChunk": {"request": 1, "kv_manifest": 2, "kv": 3},
     "KvChunk": {"tensor_index": 1, "offset": 2, "data": 3},
     "SamplingParams": {"logprobs": 8},
-    "GenerateRequest": {"stop": 6},
+    "GenerateRequest": {"stop": 6, "draft_candidates": 7},
+    "Proposal": {"parents": 6},
+    "RequestStats": {"accepted_per_rank": 5},
+    "DecodeRequest": {"draft_candidates": 10},
     "GenerateResponse": {"logprobs": 7},
     "TokenLogprob": {"logprob": 1, "top_token_ids": 2, "top_logprobs": 3},
     "NodeInfo": {
@@ -96,6 +99,8 @@ ADDED = {
         "max_prompt_tokens": 16,
         "dtype": 17,
         "backends": 18,
+        "max_draft_candidates": 19,
+        "max_tree_nodes": 20,
     },
 }
 
