@@ -83,7 +83,9 @@ def tree_inputs(batch: int, branching: tuple[int, ...], vocab: int, dense: bool,
 def chain_args(tree_args):
     """A chain tree's inputs as `rejection_sample` arguments (K = N)."""
     draft_ids, _, _, draft_probs, target_probs, target_ids, accept, recover, do_sample = tree_args
-    uniforms = torch.cat([accept, recover[:, -1:]], 1)  # [B, K+1]: u[:, i+1] = recover[:, i]
+    uniforms = torch.cat(
+        [accept[:, :1], recover[:, :-1]], 1
+    )  # [B, K+1]: u[:, 0] = accept[:, 0], u[:, i+1] = recover[:, i]
     return draft_ids, draft_probs, target_probs, target_ids, uniforms, do_sample
 
 

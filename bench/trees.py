@@ -182,6 +182,7 @@ def expected_acceptance(pair, prompts, continuations, *, law, temperature, devic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--target-model", default="smollm2-135m-instruct", help="a name, GGUF file or directory")
     parser.add_argument("--draft-layers", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -191,9 +192,7 @@ def main() -> None:
     args = parser.parse_args()
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    pair = load_pair(
-        target_model="smollm2-135m-instruct", draft_layers=args.draft_layers, dtype=dtype, device=args.device
-    )
+    pair = load_pair(target_model=args.target_model, draft_layers=args.draft_layers, dtype=dtype, device=args.device)
     pair = paged_pair(pair, args.kv_cache_bytes, graphs=args.device.startswith("cuda"))
     prompts = [pair.tokenizer.encode(p) for p in PROMPTS[: args.prompts]]
     results, table = [], []
