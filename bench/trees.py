@@ -7,7 +7,8 @@ temperature (0.7, 1.0), draft law and candidates per node k in {1, 2, 4} at dept
 (tree shapes from engine/proposer.tree_shape, e.g. k = 2 -> (2, 2, 2, 2), 30 nodes), and a
 depth-1 tree (K = 1) per k: acceptance per depth, accepted tokens by candidate rank, mean
 accept length (tokens emitted per verify pass), tokens/s and the speed-up vs K = 0 of the
-same run and temperature, and vs the k = 1 chain.
+same run and temperature, and vs the k = 1 chain. Every configuration first runs once untimed
+(on a GPU that captures the CUDA graphs of its shapes).
 
 Next to the measured depth-1 acceptance: its expectation at the same contexts. Along each
 request's K = 0 continuation, the target's q and the draft's p at every position give the
@@ -92,6 +93,19 @@ def run_request(pair, ids, *, k, candidates, law, temperature, seed, new_tokens,
 
 
 def measure(pair, prompts, *, k, candidates, law, temperature, new_tokens, device) -> dict:
+    """The second of two identical runs: the first captures the CUDA graphs of its shapes."""
+    for i, ids in enumerate(prompts[:1] if device == "cpu" else prompts):
+        run_request(
+            pair,
+            ids,
+            k=k,
+            candidates=candidates,
+            law=law,
+            temperature=temperature,
+            seed=i,
+            new_tokens=new_tokens,
+            device=device,
+        )
     runs = [
         run_request(
             pair,

@@ -18,13 +18,15 @@ from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta,
 from models.base import State, check_kv_tensors, close_span, extend_span
 from models.llama import LlamaCausalLM
 from models.pair import ModelPair
+from sampling.tree import MAX_TREE_NODES
 
 BLOCK_SIZE = 16  # tokens per block: vLLM's default; small enough that waste per request is tiny
 # Forwards where every row brings the same small number of tokens (a decode step: 1; a
-# verify pass: K+1) replay a CUDA graph captured for (row bucket, tokens per row, key-width
-# bucket); prompts and ragged catch-ups run eagerly.
+# verify pass: K+1, or a tree's nodes + 1; a draft expanding trees: its frontier) replay a
+# CUDA graph captured for (row bucket, tokens per row, key-width bucket); prompts and
+# ragged catch-ups run eagerly.
 MAX_GRAPH_ROWS = 256
-MAX_GRAPH_QUERIES = 16
+MAX_GRAPH_QUERIES = MAX_TREE_NODES + 1
 MIN_GRAPH_WIDTH = 256
 _CAPTURE_LOCK = threading.Lock()
 

@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
                 "--num-spec-tokens",
                 {"default": None, "type": int, "help": "draft tokens per step K (0 = off; default: the server's)"},
             ),
+            (
+                "--draft-candidates",
+                {"default": None, "type": int, "help": "candidates per draft node (> 1: multi-draft trees)"},
+            ),
             ("--stats", {"default": False, "type": bool, "help": "print acceptance per position and tokens/s"}),
             ("--timeout", {"default": 0.0, "type": float, "help": "deadline in seconds (0 = none)"}),
         ],
@@ -126,6 +130,7 @@ def _generate(args) -> int:
             top_p=args.top_p,
             seed=args.seed,
             num_speculative_tokens=args.num_spec_tokens,
+            draft_candidates=args.draft_candidates,
             timeout=args.timeout or None,
         ):
             print(response.text, end="", flush=True)

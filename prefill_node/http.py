@@ -57,6 +57,7 @@ _PARAMS = {
     "sampling.stop_token_ids": "stop_token_ids",
     "sampling.logprobs": "logprobs",
     "num_speculative_tokens": "num_speculative_tokens",
+    "draft_candidates": "draft_candidates",
     "prompt": "prompt",
     "prompt_token_ids": "prompt",
     "request_id": None,
@@ -151,6 +152,7 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     num_speculative_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None  # pdspec extension
+    draft_candidates: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None  # pdspec extension: multi-draft
 
 
 class CompletionBody(_Sampling):
@@ -660,6 +662,8 @@ class OpenAIApi:
             )
             if body.num_speculative_tokens is not None:
                 request.num_speculative_tokens = body.num_speculative_tokens
+            if body.draft_candidates is not None:
+                request.draft_candidates = body.draft_candidates
             return request
 
         return build

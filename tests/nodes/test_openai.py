@@ -112,6 +112,22 @@ def test_seeds_reproduce_and_speculation_per_request(api):
     assert len(text.encode()) <= 30 * 4  # sampled with K=0: a valid completion of its own
     _, stats = run(42, k=2)
     assert stats["draft_tokens"] == 2 * stats["verify_steps"] > 0 and len(stats["accepted_per_position"]) == 2
+    tree = api.oai.completions.create(
+        model=api.model,
+        prompt="import ",
+        max_tokens=30,
+        temperature=0,
+        extra_body={"num_speculative_tokens": 2, "draft_candidates": 3},
+    )
+    plain = api.oai.completions.create(
+        model=api.model, prompt="import ", max_tokens=30, temperature=0, extra_body={"num_speculative_tokens": 0}
+    )
+    stats = tree.model_extra["pdspec"]
+    assert tree.choices[0].text == plain.choices[0].text  # greedy trees: the K = 0 text
+    assert (
+        stats["draft_tokens"] > 2 * stats["verify_steps"]
+        and sum(stats["accepted_per_rank"]) == stats["accepted_tokens"]
+    )
 
 
 def test_stop_strings_and_stop_token_ids(api):
@@ -166,6 +182,7 @@ def test_logprobs_are_the_targets_own(api, pair):
         ({"prompt": [300]}, "prompt"),  # out of the vocabulary
         ({"prompt": ""}, "prompt"),
         ({"extra_body": {"num_speculative_tokens": 99}}, "num_speculative_tokens"),
+        ({"extra_body": {"draft_candidates": 99}}, "draft_candidates"),
         ({"extra_body": {"top_k": -5}}, "top_k"),
     ],
 )
