@@ -120,7 +120,7 @@ def generate_many(
         batch=batch,
         memoize=memoize,
         candidates=candidates,
-        tree_sampler=tree_sampler,
+        tree_samplers=[tree_sampler],
     )[0]
 
 
@@ -139,13 +139,14 @@ def generate_many_verifiers(
     device: str = "cpu",
     backend: str = "torch",
     candidates: int = 1,
-    tree_sampler=None,
+    tree_samplers: Sequence | None = None,
 ) -> list[list[list[int]]]:
     """generate_many for several verifiers (None = the real rejection sampler) at the cost
     of one prefill per seed: each request's validated DecodeInput goes to one decode engine
     per sampler (what a decode node receives does not depend on its verifier). One token
     list per seed for each sampler, in `samplers` order. `candidates` > 1: proposals are
-    candidate trees, verified by `tree_sampler` (None = the real one)."""
+    candidate trees, verified by the matching entry of `tree_samplers` (None = the real one)."""
+    tree_samplers = tree_samplers or [None] * len(samplers)
     if memoize:
         pair = memoized(pair)
     prefill = PrefillEngine(pair, PrefillConfig(draft_law=law, device=device))
@@ -162,7 +163,7 @@ def generate_many_verifiers(
             ),
             verifier=Verifier(backend, device, sampler=sampler, tree_sampler=tree_sampler),
         )
-        for sampler in samplers
+        for sampler, tree_sampler in zip(samplers, tree_samplers, strict=True)
     ]
     receiver = Receiver.from_contract(pair.contract(), max(k, 1), max_draft_candidates=candidates)
     firsts, handles = [], []

@@ -1,7 +1,7 @@
 """The whole PD pipeline samples exactly from the target: the joint distribution of the first
 3 tokens over 20,000 seeded requests matches the target model's exact probabilities
 (chi-square, alpha = 1e-6), for K in {1, 4} and both draft laws; the same test catches a
-verifier that lets equal ids bypass the ratio test. Candidate trees (2 per node, depth 3)
+verifier that lets equal ids bypass the ratio test. Candidate trees (2 per node, depth 2)
 pass the same test, and a tree verifier using with-replacement laws fails it. Requests go through the real prefill
 engine, serialized DecodeRequests, the validator and the batched decode engine
 (tests/nodes/harness.py); the transport is covered by the gRPC tests."""
@@ -15,7 +15,7 @@ from scipy import stats
 from models.loader import load_pair
 from sampling.proposal import DraftLaw
 from sampling.tree import tree_rejection_sample
-from tests.nodes.harness import exact_joint, generate_many
+from tests.nodes.harness import exact_joint, generate_many, generate_many_verifiers
 from tests.sampling.helpers import ALPHA, biased_rejection_sample
 
 SAMPLES = 20_000
@@ -47,27 +47,21 @@ def joint_pvalue(outputs, joint) -> float:
 
 
 @pytest.mark.parametrize("law", list(DraftLaw), ids=lambda law: law.value)
-@pytest.mark.parametrize("k", [1, 4])
-def test_joint_distribution_is_the_targets(pair, joint, k, law):
-    outputs = generate_many(pair, PROMPT, range(SAMPLES), k=k, law=law, max_new_tokens=3)
+def test_joint_distribution_is_the_targets_k1(pair, joint, law):
+    outputs = generate_many(pair, PROMPT, range(SAMPLES), k=1, law=law, max_new_tokens=3)
     assert all(len(out) == 3 for out in outputs)
     assert joint_pvalue(outputs, joint) > ALPHA
 
 
 @pytest.mark.parametrize("law", list(DraftLaw), ids=lambda law: law.value)
-def test_biased_verifier_is_caught(pair, joint, law):
-    outputs = generate_many(
-        pair, PROMPT, range(SAMPLES), k=4, law=law, max_new_tokens=3, sampler=biased_rejection_sample
+def test_joint_distribution_is_the_targets_k4_and_a_biased_verifier_is_caught(pair, joint, law):
+    """The same 20,000 prefilled requests verified by the real sampler and by the biased one."""
+    real, biased = generate_many_verifiers(
+        pair, PROMPT, range(SAMPLES), k=4, law=law, max_new_tokens=3, samplers=[None, biased_rejection_sample]
     )
-    assert joint_pvalue(outputs, joint) < ALPHA
-
-
-@pytest.mark.parametrize("law", list(DraftLaw), ids=lambda law: law.value)
-def test_candidate_trees_keep_the_targets_distribution(pair, joint, law):
-    """Multi-draft: 2 candidates per node, depth 3 (14-node trees) at both nodes."""
-    outputs = generate_many(pair, PROMPT, range(SAMPLES), k=3, law=law, max_new_tokens=3, candidates=2)
-    assert all(len(out) == 3 for out in outputs)
-    assert joint_pvalue(outputs, joint) > ALPHA
+    assert all(len(out) == 3 for out in real)
+    assert joint_pvalue(real, joint) > ALPHA
+    assert joint_pvalue(biased, joint) < ALPHA
 
 
 def with_replacement_laws(draft_token_ids, parents, num_nodes, draft_probs, *args, **kwargs):
@@ -80,15 +74,26 @@ def with_replacement_laws(draft_token_ids, parents, num_nodes, draft_probs, *arg
     return tree_rejection_sample(draft_token_ids, parents, num_nodes, biased, *args, **kwargs)
 
 
-def test_biased_tree_verifier_is_caught(pair, joint):
-    outputs = generate_many(
+def test_candidate_trees_keep_the_targets_distribution_and_a_biased_tree_verifier_is_caught(pair, joint):
+    """Multi-draft: 2 candidates per node, depth 2 (6-node trees) at both nodes; the same
+    requests verified with-replacement fail the test."""
+    real, biased = generate_many_verifiers(
         pair,
         PROMPT,
         range(SAMPLES),
-        k=3,
+        k=2,
         law=DraftLaw.STOCHASTIC,
         max_new_tokens=3,
+        samplers=[None, None],
         candidates=2,
-        tree_sampler=with_replacement_laws,
+        tree_samplers=[None, with_replacement_laws],
     )
-    assert joint_pvalue(outputs, joint) < ALPHA
+    assert all(len(out) == 3 for out in real)
+    assert joint_pvalue(real, joint) > ALPHA
+    assert joint_pvalue(biased, joint) < ALPHA
+
+
+def test_point_mass_candidate_trees_keep_the_targets_distribution(pair, joint):
+    """Top-k candidates (one-hot laws) in 2-candidate trees of depth 2."""
+    outputs = generate_many(pair, PROMPT, range(SAMPLES), k=2, law=DraftLaw.POINT_MASS, max_new_tokens=3, candidates=2)
+    assert joint_pvalue(outputs, joint) > ALPHA
