@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: install proto run run-builtin up up-local test test-gpu sanitize-gpu bench bench-gpu lint clean
+.PHONY: install proto run run-builtin up up-local test test-slow test-gpu sanitize-gpu bench bench-gpu lint clean
 
 $(STAMP): pyproject.toml deploy/install.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,7 +39,11 @@ up-local: $(STAMP)
 
 # Two workers: the statistical end-to-end tests dominate and parallelise across cores.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist worksteal
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
+
+# Statistical end-to-end tests too long for every run (multi-draft trees with dense laws).
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
