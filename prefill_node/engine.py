@@ -9,6 +9,7 @@ distribution of each (DENSE / POINT_MASS / SPARSE on the wire).
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import uuid
@@ -39,6 +40,13 @@ from sampling.proposal import DraftLaw
 log = logging.getLogger(__name__)
 
 
+class KvTransport(enum.Enum):
+    """How the KV reaches the decode node."""
+
+    GRPC = "grpc"  # in the Decode message, or over DecodeStream (kv_streaming, threshold)
+    SHM = "shm"  # a /dev/shm segment on the same host (protos/shm_kv.py; decode needs --accept-shm-kv)
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     draft_law: DraftLaw = DraftLaw.POINT_MASS
@@ -50,6 +58,7 @@ class PrefillConfig:
     kv_streaming: bool = False
     kv_stream_threshold_bytes: int = 64 << 20
     kv_chunk_bytes: int = 4 << 20
+    kv_transport: KvTransport = KvTransport.GRPC
     max_speculative_tokens: int = 8  # lowered to the decode peer's when it reports less
     num_speculative_tokens: int = 4  # K of a request that does not say (clamped to the maximum)
     default_max_new_tokens: int = 64
@@ -280,15 +289,17 @@ class PrefillEngine:
             out=header.proposal,
             set_tensor=lambda name, tensor: wire.set_tensor(f"proposal.{name}", tensor),
         )
-        if not self.streams(kv):
+        if self.inline(kv):
             for i, tensor in enumerate(kv):
                 wire.set_tensor(f"kv_cache[{i}]", tensor)  # a view: no copy until the one join
         return Prefilled(job.first, job.first_logprob, "", wire, encoding, kv)
 
-    def streams(self, kv: list[torch.Tensor]) -> bool:
-        """Whether this KV goes over DecodeStream (see PrefillConfig.kv_streaming)."""
+    def inline(self, kv: list[torch.Tensor]) -> bool:
+        """Whether this KV goes in the Decode message itself: over gRPC, unless it is streamed
+        (PrefillConfig.kv_streaming, kv_stream_threshold_bytes)."""
         size = sum(t.numel() * t.element_size() for t in kv)
-        return self.config.kv_streaming or size > self.config.kv_stream_threshold_bytes
+        streamed = self.config.kv_streaming or size > self.config.kv_stream_threshold_bytes
+        return self.config.kv_transport is KvTransport.GRPC and not streamed
 
     def _propose(self, jobs: list[_Job], rows: SamplingTensors) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Each job's K draft-space tokens and, for a stochastic law, their distributions [K, Vd]."""

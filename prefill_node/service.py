@@ -19,9 +19,10 @@ import grpc
 
 from pdspec.metrics import NodeMetrics
 from pdspec.stopping import StopStrings
-from prefill_node.engine import Checked, PrefillEngine
+from prefill_node.engine import Checked, KvTransport, PrefillEngine
 from prefill_node.watchdog import StallWatchdog
 from protos import pdspec_pb2
+from protos.shm_kv import SharedKvSegment
 from protos.status import ended_status, status_code
 from protos.validation import Violation
 from protos.wire import stream_chunks
@@ -174,8 +175,17 @@ class GenerationService:
         wire = prefilled.wire
         self.metrics.proposal_bytes.labels("prefill", prefilled.encoding.value).inc(wire.header.proposal.ByteSize())
         self.metrics.kv_bytes.labels("prefill").inc(prefilled.kv_bytes)
+        segment = None
         if len(wire.header.kv_cache) or not prefilled.kv:  # the KV inline: one Decode message
             relay = self.peer.stub.Decode(wire, timeout=decode_timeout(call))
+        elif self.engine.config.kv_transport is KvTransport.SHM:  # a handle to the KV in /dev/shm
+            segment = SharedKvSegment.create(prefilled.kv)
+            wire.header.kv_shm.CopyFrom(segment.handle)
+            try:
+                relay = self.peer.stub.Decode(wire, timeout=decode_timeout(call))
+            except BaseException:
+                segment.unlink()
+                raise
         else:  # DecodeStream: header + manifest, then the KV in slices
             chunks = stream_chunks(wire, prefilled.kv, self.engine.config.kv_chunk_bytes)
             relay = self.peer.stub.DecodeStream(chunks, timeout=decode_timeout(call))
@@ -224,6 +234,8 @@ class GenerationService:
             watch.done()
             if not complete:
                 relay.cancel()  # every other way out (a client gone, an error, a stop string) ends it
+            if segment is not None:  # the decode node unlinks it once mapped; this covers every other end
+                segment.unlink()
 
     def _finish(self, record: _Record, started: float) -> None:
         latency = time.monotonic() - started
