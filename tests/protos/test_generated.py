@@ -96,7 +96,10 @@ ADDED = {
         "max_prompt_tokens": 16,
         "dtype": 17,
         "backends": 18,
+        "accepts_shm_kv": 30,
     },
+    "DecodeRequest": {"kv_shm": 20},
+    "SharedKv": {"name": 1, "size": 2, "manifest": 3, "offsets": 4, "lengths": 5},
 }
 
 
