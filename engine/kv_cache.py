@@ -105,14 +105,6 @@ class KvPool:
         table = torch.tensor(seq.blocks, dtype=torch.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def read(self, seq: PagedSeq, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys, values [Hkv, length, D] of the live positions (the wire layout)."""
-        slots = self.slots(seq, 0, seq.length).to(self.kv.device)
-        return (
-            self.kv[layer, 0].index_select(0, slots).transpose(0, 1).contiguous(),
-            self.kv[layer, 1].index_select(0, slots).transpose(0, 1).contiguous(),
-        )
-
 
 def bucket(n: int, smallest: int = 1) -> int:
     """The smallest power of two >= max(n, smallest): graph shapes come from a few buckets."""

@@ -227,8 +227,15 @@ class PagedLlamaLM(ChunkedImport):
         state.kv.length = length  # rejected slots stay reserved and are overwritten next step
         del state.tokens[length:]
 
-    def export_state(self, state: State) -> list[torch.Tensor]:
-        return [t.cpu() for layer in range(self.num_layers) for t in self.pool.read(state.kv, layer)]
+    def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The live slots of each layer gathered into the wire layout, on the host."""
+        slots = self.pool.slots(state.kv, 0, state.kv.length).to(self.device)
+        tensors = []
+        for index in range(len(self.kv_layout)):
+            layer, kind = divmod(index, 2)
+            live = self.pool.kv[layer, kind].index_select(0, slots).transpose(0, 1)  # [Hkv, length, D]
+            tensors.append(live.contiguous().cpu() if out is None else out[index].copy_(live))
+        return tensors
 
     def begin_import(self, tokens: Sequence[int], reserve: int) -> State:
         """Blocks for `reserve` positions, taken at once (KvCacheFull and nothing taken if the pool

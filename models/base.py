@@ -64,8 +64,9 @@ class CausalLM(Protocol):
     def truncate(self, state: State, length: int) -> None:
         """Keep the first `length` consumed tokens (drop rejected positions)."""
 
-    def export_state(self, state: State) -> list[torch.Tensor]:
-        """The state as tensors matching `kv_layout` (SEQ = len(state.tokens))."""
+    def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The state as tensors matching `kv_layout` (SEQ = len(state.tokens)); with `out` (host
+        tensors of those shapes: a shared-memory segment's), written into them and returned."""
 
     def import_state(self, tensors: Sequence[torch.Tensor], tokens: Sequence[int]) -> State:
         """Rebuild a State from export_state's tensors and the consumed tokens (`ChunkedImport`)."""

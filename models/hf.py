@@ -153,8 +153,9 @@ class HFCausalLM(ChunkedImport, GrowingKv):
             state.kv = _cache_from([(k[:, :, :length], v[:, :, :length]) for k, v in _layers(state.kv)])
             del state.tokens[length:]
 
-    def export_state(self, state: State) -> list[torch.Tensor]:
-        return [t[0] for pair in _layers(state.kv) for t in pair]  # [heads, seq, head_dim] each
+    def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        live = [t[0] for pair in _layers(state.kv) for t in pair]  # [heads, seq, head_dim] each
+        return live if out is None else [o.copy_(t) for o, t in zip(out, live, strict=True)]
 
     def begin_import(self, tokens: Sequence[int], reserve: int) -> State:
         seq = len(tokens)  # the cache grows by concatenation: nothing to reserve beyond the prompt

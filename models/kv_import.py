@@ -63,7 +63,7 @@ class KvWriter:
                 raise ValueError(f"storages[{i}]: expected {expected}, got {storage.dtype} {list(storage.shape)}")
         self.device = storages[0].device if storages else torch.device("cpu")
         self.gpu = self.device.type != "cpu"
-        self._slots = slots.tolist()  # host ints: the slot of a partial row
+        self._slots = slots.numpy()  # the slot of a partial row, read on the host
         if self.gpu:
             self.stream = _import_stream(self.device)
             with torch.cuda.stream(self.stream):  # the allocator ties what the import uses to its stream
@@ -74,7 +74,7 @@ class KvWriter:
             self._staged: torch.Tensor | None = None
             self._copied: torch.cuda.Event | None = None
         else:
-            self._index = slots.numpy()
+            self._index = self._slots
             self._dest = [s.view(torch.uint8).numpy() for s in storages]
 
     def write(self, index: int, offset: int, data: Buffer | torch.Tensor) -> None:
@@ -132,7 +132,7 @@ class KvWriter:
                 at = pos - offset
                 if within or end - pos < row:  # a row split between chunks: its bytes in this one
                     take = min(row - within, end - pos)
-                    dest[self._slots[position], head, within : within + take] = src[at : at + take]
+                    dest[int(self._slots[position]), head, within : within + take] = src[at : at + take]
                 else:  # whole rows of one head
                     rows = min((end - pos) // row, seq - position)
                     take = rows * row

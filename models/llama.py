@@ -517,9 +517,12 @@ class LlamaCausalLM(ChunkedImport, GrowingKv):
         state.kv.length = length  # the slots past it are overwritten by the next extend
         del state.tokens[length:]
 
-    def export_state(self, state: State) -> list[torch.Tensor]:
+    def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         cache, n = state.kv, state.kv.length
-        return [t[:, :n].clone() for pair in zip(cache.keys, cache.values, strict=True) for t in pair]
+        live = [t[:, :n] for pair in zip(cache.keys, cache.values, strict=True) for t in pair]
+        if out is None:
+            return [t.clone() for t in live]
+        return [o.copy_(t) for o, t in zip(out, live, strict=True)]
 
     def begin_import(self, tokens: Sequence[int], reserve: int) -> State:
         seq = len(tokens)

@@ -148,7 +148,7 @@ class NgramModel(ChunkedImport, GrowingKv):
             raise ValueError(f"length: expected 0..{len(state.tokens)}, got {length}")
         del state.tokens[length:]
 
-    def export_state(self, state: State) -> list[torch.Tensor]:
+    def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         return []  # the token ids are the whole state
 
     def begin_import(self, tokens: Sequence[int], reserve: int) -> State:

@@ -23,6 +23,7 @@ from models.pair import ModelPair
 from pdspec.stopping import finish_reason
 from protos import pdspec_pb2
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
+from protos.shm_kv import SharedKvSegment
 from protos.validation import (
     Code,
     RequestLimits,
@@ -99,6 +100,7 @@ class Prefilled:
     wire: WireDecodeRequest | None  # header + payload views; its kv_cache entries are the KV's
     encoding: ProposalEncoding | None
     kv: list[torch.Tensor] = field(default_factory=list)  # the exported KV (the wire's payloads view it)
+    shm: SharedKvSegment | None = None  # --kv-transport shm: the segment `kv` lives in (the caller unlinks it)
 
     @property
     def decode_request(self) -> pdspec_pb2.DecodeRequest | None:
@@ -254,8 +256,21 @@ class PrefillEngine:
         jobs = [jobs[row] for row in going]
         drafted = self._propose(jobs, rows.select(going))
         for job, (draft_ids, draft_probs) in zip(jobs, drafted, strict=True):
-            kv = pair.target.export_state(job.state)
-            self._end(job, result=self._decode_request(job, draft_ids, draft_probs, kv))
+            segment = self._segment(len(job.checked.ids))
+            try:
+                kv = pair.target.export_state(job.state, None if segment is None else segment.tensors)
+                self._end(job, result=self._decode_request(job, draft_ids, draft_probs, kv, segment))
+            except BaseException:
+                if segment is not None:
+                    segment.unlink()
+                raise
+
+    def _segment(self, prompt_len: int) -> SharedKvSegment | None:
+        """Where a request's KV is exported with --kv-transport shm (None: new host tensors)."""
+        layout = self.pair.target.kv_layout
+        if self.config.kv_transport is not KvTransport.SHM or not layout:
+            return None
+        return SharedKvSegment.create([(spec.dtype, spec.shape_for(prompt_len)) for spec in layout])
 
     def _end(self, job: _Job, *, result: Prefilled | None = None, error: BaseException | None = None) -> None:
         if job.state is not None:
@@ -267,7 +282,9 @@ class PrefillEngine:
                 self._jobs.remove(job)
         job.done.set()
 
-    def _decode_request(self, job: _Job, draft_ids: torch.Tensor, draft_probs, kv: list[torch.Tensor]) -> Prefilled:
+    def _decode_request(
+        self, job: _Job, draft_ids: torch.Tensor, draft_probs, kv: list[torch.Tensor], segment: SharedKvSegment | None
+    ) -> Prefilled:
         checked, pair = job.checked, self.pair
         header = pdspec_pb2.DecodeRequest(
             request_id=checked.request_id,
@@ -289,17 +306,18 @@ class PrefillEngine:
             out=header.proposal,
             set_tensor=lambda name, tensor: wire.set_tensor(f"proposal.{name}", tensor),
         )
-        if self.inline(kv):
+        if segment is not None:
+            header.kv_shm.CopyFrom(segment.handle)
+        elif self.inline(kv):
             for i, tensor in enumerate(kv):
                 wire.set_tensor(f"kv_cache[{i}]", tensor)  # a view: no copy until the one join
-        return Prefilled(job.first, job.first_logprob, "", wire, encoding, kv)
+        return Prefilled(job.first, job.first_logprob, "", wire, encoding, kv, segment)
 
     def inline(self, kv: list[torch.Tensor]) -> bool:
-        """Whether this KV goes in the Decode message itself: over gRPC, unless it is streamed
-        (PrefillConfig.kv_streaming, kv_stream_threshold_bytes)."""
+        """Whether a gRPC-transported KV goes in the Decode message itself rather than over
+        DecodeStream (PrefillConfig.kv_streaming, kv_stream_threshold_bytes)."""
         size = sum(t.numel() * t.element_size() for t in kv)
-        streamed = self.config.kv_streaming or size > self.config.kv_stream_threshold_bytes
-        return self.config.kv_transport is KvTransport.GRPC and not streamed
+        return not (self.config.kv_streaming or size > self.config.kv_stream_threshold_bytes)
 
     def _propose(self, jobs: list[_Job], rows: SamplingTensors) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Each job's K draft-space tokens and, for a stochastic law, their distributions [K, Vd]."""

@@ -19,10 +19,9 @@ import grpc
 
 from pdspec.metrics import NodeMetrics
 from pdspec.stopping import StopStrings
-from prefill_node.engine import Checked, KvTransport, PrefillEngine
+from prefill_node.engine import Checked, Prefilled, PrefillEngine
 from prefill_node.watchdog import StallWatchdog
 from protos import pdspec_pb2
-from protos.shm_kv import SharedKvSegment
 from protos.status import ended_status, status_code
 from protos.validation import Violation
 from protos.wire import stream_chunks
@@ -158,6 +157,15 @@ class GenerationService:
             raise RequestFailed("UNAVAILABLE", f"request {rid!r}: {self.peer.problem}", rid)
         self.metrics.prompt_tokens.labels("prefill").inc(len(checked.ids))
         prefilled = self.engine.prefill(checked)
+        try:
+            yield from self._relay(request, call, started, record, prefilled)
+        finally:
+            if prefilled.shm is not None:  # the decode node unlinks it once mapped; this covers every other end
+                prefilled.shm.unlink()
+
+    def _relay(self, request, call: Call, started: float, record: _Record, prefilled: Prefilled):
+        """The first token, then the decode node's stream (the KV handed over on the way)."""
+        rid = record.request_id
         detokenizer = self.engine.pair.tokenizer.incremental()
         stops = StopStrings(request.stop)
         stream = _Stream(self.metrics, record, started)
@@ -175,17 +183,8 @@ class GenerationService:
         wire = prefilled.wire
         self.metrics.proposal_bytes.labels("prefill", prefilled.encoding.value).inc(wire.header.proposal.ByteSize())
         self.metrics.kv_bytes.labels("prefill").inc(prefilled.kv_bytes)
-        segment = None
-        if len(wire.header.kv_cache) or not prefilled.kv:  # the KV inline: one Decode message
-            relay = self.peer.stub.Decode(wire, timeout=decode_timeout(call))
-        elif self.engine.config.kv_transport is KvTransport.SHM:  # a handle to the KV in /dev/shm
-            segment = SharedKvSegment.create(prefilled.kv)
-            wire.header.kv_shm.CopyFrom(segment.handle)
-            try:
-                relay = self.peer.stub.Decode(wire, timeout=decode_timeout(call))
-            except BaseException:
-                segment.unlink()
-                raise
+        if len(wire.header.kv_cache) or prefilled.shm is not None or not prefilled.kv:
+            relay = self.peer.stub.Decode(wire, timeout=decode_timeout(call))  # the KV inline, or its handle
         else:  # DecodeStream: header + manifest, then the KV in slices
             chunks = stream_chunks(wire, prefilled.kv, self.engine.config.kv_chunk_bytes)
             relay = self.peer.stub.DecodeStream(chunks, timeout=decode_timeout(call))
@@ -234,8 +233,6 @@ class GenerationService:
             watch.done()
             if not complete:
                 relay.cancel()  # every other way out (a client gone, an error, a stop string) ends it
-            if segment is not None:  # the decode node unlinks it once mapped; this covers every other end
-                segment.unlink()
 
     def _finish(self, record: _Record, started: float) -> None:
         latency = time.monotonic() - started

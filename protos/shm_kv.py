@@ -1,6 +1,6 @@
 """The same-host KV handoff: the KV bytes in a POSIX shared-memory segment, a handle on the wire.
 
-The prefill node (`--kv-transport shm`) writes the exported KV into a new file in /dev/shm (a
+The prefill node (`--kv-transport shm`) exports the KV straight into a new file in /dev/shm (a
 tmpfs both nodes see: one host, or containers sharing /dev/shm) and sends only
 `DecodeRequest.kv_shm` (name, size, each tensor's declaration, offset and length). A decode node
 started with `--accept-shm-kv` checks the handle (protos/validation.py: name pattern, lengths
@@ -14,6 +14,7 @@ outlives the call that made it.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import stat
@@ -26,7 +27,6 @@ import torch
 from protos import pdspec_pb2
 from protos.codec import WIRE_DTYPES
 from protos.validation import SHM_NAME, Code, Violation
-from protos.wire import host_bytes
 
 SHM_DIR = Path("/dev/shm")
 _ALIGN = 64  # each tensor starts on a cache line
@@ -41,41 +41,44 @@ class SharedKvError(Exception):
 
 
 class SharedKvSegment:
-    """The prefill side: a segment holding one request's KV, its handle, and its unlink."""
+    """The prefill side: a new segment sized for one request's KV and mapped here; the export
+    writes straight into `tensors` (views of it), so the segment is the KV, not a copy of it."""
 
-    def __init__(self, handle: pdspec_pb2.SharedKv) -> None:
+    def __init__(self, handle: pdspec_pb2.SharedKv, tensors: list[torch.Tensor]) -> None:
         self.handle = handle
+        self.tensors = tensors  # they keep the mapping open; it closes when they are dropped
         self.path = SHM_DIR / handle.name
 
     @classmethod
-    def create(cls, kv: Sequence[torch.Tensor]) -> SharedKvSegment:
-        """A new segment (owner-only, O_EXCL) with `kv`'s bytes, written and closed: this node keeps
-        no mapping, so the pages go as soon as the decode node has imported and unlinked them."""
+    def create(cls, tensors: Sequence[tuple[torch.dtype, Sequence[int]]]) -> SharedKvSegment:
+        """An owner-only file (O_EXCL) in SHM_DIR for tensors of these dtypes and shapes."""
         handle = pdspec_pb2.SharedKv(name=f"pdspec-kv-{uuid.uuid4().hex}")
         offset = 0
-        for tensor in kv:
-            handle.manifest.add(data_type=WIRE_DTYPES[tensor.dtype], shape=list(tensor.shape))
+        for dtype, shape in tensors:
+            handle.manifest.add(data_type=WIRE_DTYPES[dtype], shape=list(shape))
             handle.offsets.append(offset)
-            handle.lengths.append(tensor.numel() * tensor.element_size())
+            handle.lengths.append(math.prod(shape) * dtype.itemsize)
             offset += -(-handle.lengths[-1] // _ALIGN) * _ALIGN
         handle.size = offset
-        segment = cls(handle)
-        fd = os.open(segment.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        path = SHM_DIR / handle.name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, handle.size)
-            for tensor, start in zip(kv, handle.offsets, strict=True):
-                view, done = host_bytes(tensor), 0
-                while done < len(view):  # one pwrite may write less than asked (2 GiB at most)
-                    done += os.pwrite(fd, view[done:], start + done)
+            mapping = mmap.mmap(fd, handle.size)
         except BaseException:
-            segment.unlink()
+            os.unlink(path)
             raise
         finally:
             os.close(fd)
-        return segment
+        views = [
+            torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape), offset=start).view(*shape)
+            for (dtype, shape), start in zip(tensors, handle.offsets, strict=True)
+        ]
+        return cls(handle, views)
 
     def unlink(self) -> None:
-        """Remove the name (the decode node may have done so already)."""
+        """Remove the name (the decode node may have done so already); the pages go once no
+        process maps them."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 

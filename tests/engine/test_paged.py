@@ -164,6 +164,9 @@ def test_chunked_import_at_any_byte_boundaries_equals_the_export(models):
         model.finish_import(state)
         for got, want in zip(model.export_state(state), exported, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+        into = [torch.empty_like(t) for t in exported]  # an export into given memory (a shm segment's)
+        assert all(a is b for a, b in zip(model.export_state(state, into), into, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(into, exported, strict=True))
         torch.testing.assert_close(
             model.extend(state, [3]), contiguous.extend(contiguous.import_state(exported, prompt), [3])
         )

@@ -127,6 +127,14 @@ def _random_kv(contract, prompt_len: int) -> list[torch.Tensor]:
     return [torch.randn(spec.shape_for(prompt_len), generator=g).to(spec.dtype) for spec in contract.kv_layout]
 
 
+def _segment_holding(kv: list[torch.Tensor]) -> shm_kv.SharedKvSegment:
+    """A segment with `kv` in it, as the prefill node's export leaves it."""
+    segment = shm_kv.SharedKvSegment.create([(t.dtype, t.shape) for t in kv])
+    for view, tensor in zip(segment.tensors, kv, strict=True):
+        view.copy_(tensor)
+    return segment
+
+
 def _code(call) -> tuple[grpc.StatusCode, dict[str, str], str]:
     try:
         list(call)
@@ -176,7 +184,7 @@ def test_every_failed_upload_frees_what_it_reserved(llama_pair, small_pool, shm_
     code, _, details = stream(wire.stream_chunks(too_long, kv, 300))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV cache holds 64" in details
     # Shared memory: a segment whose size is not the declared one, then one that is gone.
-    segment = shm_kv.SharedKvSegment.create(kv)
+    segment = _segment_holding(kv)
     message = wire.WireDecodeRequest(_header(20, contract))
     message.header.kv_shm.CopyFrom(segment.handle)
     message.header.kv_shm.size += 1
@@ -227,7 +235,7 @@ def test_shared_kv_needs_the_opt_in(llama_pair, shm_dir):
     with decode_node(llama_pair, models=ModelSpec(kv_cache_bytes=1 << 20)) as decode:
         stub = DecodeStub(grpc.insecure_channel(f"127.0.0.1:{decode.port}"))
         assert not stub.GetInfo(pdspec_pb2.InfoRequest(), timeout=5).accepts_shm_kv
-        segment = shm_kv.SharedKvSegment.create(_random_kv(contract, 20))
+        segment = _segment_holding(_random_kv(contract, 20))
         message = wire.WireDecodeRequest(_header(20, contract))
         message.header.kv_shm.CopyFrom(segment.handle)
         code, violations, details = _code(stub.Decode(message, timeout=10))
