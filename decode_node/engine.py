@@ -3,11 +3,11 @@
 Each request arrives validated (`protos.validation.DecodeInput`): prompt, first token,
 the prefill's K proposals and the KV state, or, streamed (DecodeStream, shared memory), the
 KV after it: such a request's target KV is reserved in arrival order, the servicer writes the
-bytes straight into it, and the request is admitted once they are all in. Every engine step, for all active requests
-at once: the draft proposes K tokens (except on a request's first step, which verifies
-the prefill's proposal), one batched target call scores [last, d1..dK], and one
-verifier call per (K, draft-law) group runs rejection sampling. Emitted tokens go to the
-request's event queue; the servicer streams them.
+bytes straight into it, and the request is admitted once they are all in. Every engine step,
+for all active requests at once: the draft proposes K tokens (except on a request's first
+step, which verifies the prefill's proposal), one batched target call scores [last,
+d1..dK], and one verifier call per (K, draft-law) group runs rejection sampling. Emitted
+tokens go to the request's event queue; the servicer streams them.
 
 Token bookkeeping per request: `history` = prompt + every emitted token. The target
 has consumed all of history but its last token; the draft has consumed a prefix of
