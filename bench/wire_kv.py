@@ -10,7 +10,8 @@ pool is the moment its first decode step could start. It answers with that momen
 (CLOCK_MONOTONIC, shared by the processes) and its peak private RSS beyond the pool since the
 last GetInfo (which resets the sampler), then frees the blocks. The same process runs a raw TCP
 receiver (recv_into one preallocated buffer: the transport alone, nothing imported). Both sides
-sample their private RSS (resident minus shared pages) every 5 ms. The shared-memory path's
+sample their private RSS (resident minus shared pages) and glibc's heap in use (what is
+allocated and not freed, which RSS overstates by what the allocator keeps) every 1 ms. The shared-memory path's
 segment is the KV itself (the prefill node exports into it; here the random KV is copied into it
 before the clock starts, as the other paths' export is made before it), mapped shared by both
 processes, so neither counts it as extra.
@@ -35,13 +36,14 @@ from types import SimpleNamespace
 import grpc
 import torch
 
-from bench.common import environment, markdown_table, write_results
+from bench.common import environment, heap_in_use, markdown_table, write_results
 
 LAYERS, HEADS, DIM = 32, 8, 128  # Llama-3-8B: 32 layers, 8 KV heads of 128
 DTYPE = torch.bfloat16
 LIMIT = 2**31 - 1  # gRPC's ceiling for one message
 PAGE = os.sysconf("SC_PAGE_SIZE")
 BUDGET = 2 + 8 + 1  # positions a request reserves beyond its prompt: max_new_tokens 2, K_max 8, + 1
+MEMORY = ("prefill_extra", "prefill_heap", "decode_extra", "decode_heap")
 
 
 def contract():
@@ -64,18 +66,25 @@ def _trim() -> None:
 
 
 class RssSampler(threading.Thread):
+    """Peak private RSS and peak heap in use (bench.common.heap_in_use) since the last reset."""
+
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.baseline = self.peak = _private_rss()
+        self.reset()
 
     def reset(self) -> None:
         _trim()
         self.baseline = self.peak = _private_rss()
+        self.heap_baseline = self.heap_peak = heap_in_use() or 0
+
+    def extra(self) -> tuple[int, int]:
+        return self.peak - self.baseline, self.heap_peak - self.heap_baseline
 
     def run(self) -> None:
         while True:
             self.peak = max(self.peak, _private_rss())
-            time.sleep(0.005)
+            self.heap_peak = max(self.heap_peak, heap_in_use() or 0)
+            time.sleep(0.001)
 
 
 def _serve(conn, max_tokens: int) -> None:
@@ -132,8 +141,8 @@ def _serve(conn, max_tokens: int) -> None:
 
         def _ready(self, request):
             ready = time.monotonic()
-            tokens = len(request.target_state.tokens)
-            info = {"ready": ready, "extra": sampler.peak - sampler.baseline, "tokens": tokens}
+            rss, heap = sampler.extra()
+            info = {"ready": ready, "extra": rss, "heap": heap, "tokens": len(request.target_state.tokens)}
             self.cancel(request)
             request.events.put(Event([], finished=True, finish_reason=json.dumps(info)))
 
@@ -165,7 +174,8 @@ def _serve(conn, max_tokens: int) -> None:
                     if not n:
                         break
                     got += n
-                info = {"ready": time.monotonic(), "extra": sampler.peak - sampler.baseline - total, "bytes": got}
+                rss, heap = sampler.extra()
+                info = {"ready": time.monotonic(), "extra": rss - total, "heap": heap - total, "bytes": got}
                 sock.sendall(json.dumps(info).encode() + b"\n")
                 del view, buf
 
@@ -266,11 +276,14 @@ def kv_handoff(tokens: list[int], chunk_bytes: int, repeat: int) -> tuple[list[d
                         if segment is not None:
                             segment.unlink()
                     assert info.get("tokens", seq) == seq, (mode, info)
+                    rss, heap = sampler.extra()
                     runs.append(
                         {
                             "seconds": info["ready"] - start,
-                            "prefill_extra": sampler.peak - sampler.baseline,
+                            "prefill_extra": rss,
+                            "prefill_heap": heap,
                             "decode_extra": info["extra"],
+                            "decode_heap": info["heap"],
                         }
                     )
                     del segment
@@ -278,8 +291,7 @@ def kv_handoff(tokens: list[int], chunk_bytes: int, repeat: int) -> tuple[list[d
                 results[mode] = {
                     "seconds": seconds,
                     "gbps": total / seconds / 1e9,
-                    "prefill_extra_bytes": max(r["prefill_extra"] for r in runs),
-                    "decode_extra_bytes": max(r["decode_extra"] for r in runs),
+                    **{f"{key}_bytes": max(r[key] for r in runs) for key in runs[0] if key != "seconds"},
                     "runs": runs,
                 }
                 print(seq, mode, f"{seconds * 1e3:.0f} ms", f"{total / seconds / 1e9:.2f} GB/s", flush=True)
@@ -287,7 +299,7 @@ def kv_handoff(tokens: list[int], chunk_bytes: int, repeat: int) -> tuple[list[d
             for mode, r in results.items():
                 rows.append({"tokens": seq, "kv_bytes": total, "mode": mode, "chunk_bytes": chunk_bytes} | (r or {}))
                 if r is None:
-                    table.append([seq, f"{total / 2**20:.0f}", mode, "n/a: over the 2 GiB message ceiling"] + [""] * 6)
+                    table.append([seq, f"{total / 2**20:.0f}", mode, "n/a: over the 2 GiB message ceiling"] + [""] * 8)
                     continue
                 table.append(
                     [
@@ -298,9 +310,8 @@ def kv_handoff(tokens: list[int], chunk_bytes: int, repeat: int) -> tuple[list[d
                         f"{r['seconds'] / single['seconds']:.2f}" if single and mode != "raw socket" else "",
                         f"{r['gbps']:.2f}",
                         f"{raw['seconds'] / r['seconds']:.0%}",
-                        f"{r['prefill_extra_bytes'] / 2**20:.1f}",
-                        f"{r['decode_extra_bytes'] / 2**20:.1f}",
-                        f"{max(r['prefill_extra_bytes'], r['decode_extra_bytes']) / chunk_bytes:.2f}",
+                        *(f"{r[f'{key}_bytes'] / 2**20:.1f}" for key in MEMORY),
+                        f"{max(r[f'{key}_bytes'] for key in MEMORY) / chunk_bytes:.2f}",
                     ]
                 )
             del kv
@@ -317,8 +328,10 @@ def kv_handoff(tokens: list[int], chunk_bytes: int, repeat: int) -> tuple[list[d
         "vs one message",
         "GB/s",
         "vs raw socket",
-        "prefill extra MiB",
-        "decode extra MiB",
+        "prefill extra RSS MiB",
+        "prefill extra heap MiB",
+        "decode extra RSS MiB",
+        "decode extra heap MiB",
         "max extra / chunk",
     ]
     return rows, markdown_table(header, table)

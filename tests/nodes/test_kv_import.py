@@ -5,14 +5,12 @@ size, every failure freeing the blocks it reserved, and no segment left in /dev/
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import ClassVar
 
 import grpc
 import pytest
@@ -20,6 +18,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
+from bench.common import heap_in_use
 from decode_node.engine import DecodeConfig
 from decode_node.server import DecodeNodeConfig
 from decode_node.server import run_server as run_decode
@@ -287,26 +286,13 @@ list(call(chunks(), timeout=60))
 """
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_: ClassVar = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
-    ] + [("keepcost", ctypes.c_size_t)]
-
-
 def test_the_receive_path_holds_a_few_chunks_not_the_kv(tmp_path):
     """Memory the decode process has in use (glibc's count: torch, numpy, gRPC, Python alike)
     between a 32 MiB stream's first chunk and its last byte written, the client in a process of
     its own: a few 1 MiB chunks (gRPC's transport holds a message and its Python copy beside
     the one being written), where buffering the stream took the whole KV (32 chunks) more."""
-    libc = ctypes.CDLL("libc.so.6")
-    if not hasattr(libc, "mallinfo2"):
-        pytest.skip("glibc < 2.33: no mallinfo2")
-    libc.mallinfo2.restype = _MallInfo2
-
-    def in_use() -> int:
-        info = libc.mallinfo2()
-        return info.uordblks + info.hblkhd
+    if heap_in_use() is None:
+        pytest.skip("no glibc mallinfo2 to count the heap with")
 
     path = make_family_checkpoint(tmp_path / "wide", "llama", seed=1, layers=16, hidden=256)
     make_tokenizer(path, [f"w{i}" for i in range(90)])
@@ -331,11 +317,11 @@ def test_the_receive_path_holds_a_few_chunks_not_the_kv(tmp_path):
             imported(request)
 
         decode.engine.imported = recorded
-        base = in_use()
+        base = heap_in_use()
 
         def sample():
             while not done.is_set():
-                peak[0] = max(peak[0], in_use() - base)
+                peak[0] = max(peak[0], heap_in_use() - base)
                 time.sleep(0.0002)
 
         sampler = threading.Thread(target=sample, daemon=True)
