@@ -11,7 +11,7 @@ pool is the moment its first decode step could start. It answers with that momen
 last GetInfo (which resets the sampler), then frees the blocks. The same process runs a raw TCP
 receiver (recv_into one preallocated buffer: the transport alone, nothing imported). Both sides
 sample their private RSS (resident minus shared pages) and glibc's heap in use (what is
-allocated and not freed, which RSS overstates by what the allocator keeps) every 1 ms. The shared-memory path's
+allocated and not freed, which RSS overstates by what the allocator keeps) every 5 ms. The shared-memory path's
 segment is the KV itself (the prefill node exports into it; here the random KV is copied into it
 before the clock starts, as the other paths' export is made before it), mapped shared by both
 processes, so neither counts it as extra.
@@ -84,7 +84,7 @@ class RssSampler(threading.Thread):
         while True:
             self.peak = max(self.peak, _private_rss())
             self.heap_peak = max(self.heap_peak, heap_in_use() or 0)
-            time.sleep(0.001)
+            time.sleep(0.005)
 
 
 def _serve(conn, max_tokens: int) -> None:
