@@ -173,11 +173,8 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
             try:
                 if not (yield from self._reserved(handle, context, outcome)):
                     return
-                try:
-                    yield from self._upload(handle, chunks, first.manifest, context, outcome)
-                except grpc.RpcError:  # the client cancelled mid-upload: what was reserved is freed below
-                    outcome[0] = ended_status(context)
-                    return
+                if not (yield from self._upload(handle, chunks, first.manifest, context, outcome)):
+                    return  # the client went away mid-upload: what was reserved is freed below
                 yield from self._generate(handle, context, started, outcome)
             finally:
                 self.engine.cancel(handle)
@@ -221,13 +218,20 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
 
     def _upload(self, handle: Request, chunks: Iterator[ParsedChunk], manifest, context, outcome: list[str]):
         """Write each KV slice into the reserved storage as it arrives; any gap, overlap or
-        overrun is INVALID_ARGUMENT. Heartbeats go out meanwhile: an upload of gigabytes takes
-        seconds, longer than the prefill's relay watchdog waits for a sign of life."""
+        overrun is INVALID_ARGUMENT; False if the call ended first. Heartbeats go out meanwhile:
+        an upload of gigabytes takes seconds, longer than the prefill's relay watchdog waits."""
         rid = handle.input.request_id
         sizes = [declared_bytes(pb) for pb in manifest]
         got = [0] * len(sizes)
         sent = time.monotonic()
-        while (chunk := next(chunks, None)) is not None:
+        while True:
+            try:
+                chunk = next(chunks, None)
+            except grpc.RpcError:  # the client cancelled, or its deadline passed
+                outcome[0] = ended_status(context)
+                return False
+            if chunk is None:
+                break
             problem = chunk.error
             if problem is None and (chunk.kv is None or chunk.request is not None or chunk.manifest):
                 problem = Violation("kv", "a chunk with a KV slice only", "a request, manifest or nothing")
@@ -248,6 +252,9 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
                 sent = time.monotonic()
                 yield pdspec_pb2.GenerateResponse(request_id=rid)
         missing = [i for i, size in enumerate(sizes) if got[i] != size]
+        if missing and _ends(context):
+            outcome[0] = ended_status(context)
+            return False
         if missing:
             i = missing[0]
             self._reject(
@@ -258,6 +265,7 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
             )
         self.metrics.kv_bytes.labels("decode").inc(sum(got))
         self.engine.imported(handle)
+        return True
 
     def _import_shared(self, handle: Request, shared: pdspec_pb2.SharedKv, context, outcome: list[str]):
         """Import a validated shared-memory KV from its mapping, a slice at a time (heartbeats between)."""
@@ -316,6 +324,17 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
             yield _response(rid, event)
             if event.finished:
                 return
+
+
+def _ends(context, within_s: float = 0.5) -> bool:
+    """Whether the call is ending (cancelled, past its deadline). gRPC can end a cancelled
+    request stream the way a client ends a short one, and report the cancel a moment later."""
+    end = time.monotonic() + within_s
+    while context.is_active():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _coalesce(event: Event, events: queue.Queue) -> Event:

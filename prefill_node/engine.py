@@ -308,16 +308,15 @@ class PrefillEngine:
         )
         if segment is not None:
             header.kv_shm.CopyFrom(segment.handle)
-        elif self.inline(kv):
+        elif not self.streams(kv):
             for i, tensor in enumerate(kv):
                 wire.set_tensor(f"kv_cache[{i}]", tensor)  # a view: no copy until the one join
         return Prefilled(job.first, job.first_logprob, "", wire, encoding, kv, segment)
 
-    def inline(self, kv: list[torch.Tensor]) -> bool:
-        """Whether a gRPC-transported KV goes in the Decode message itself rather than over
-        DecodeStream (PrefillConfig.kv_streaming, kv_stream_threshold_bytes)."""
+    def streams(self, kv: list[torch.Tensor]) -> bool:
+        """Whether this KV goes over DecodeStream (see PrefillConfig.kv_streaming)."""
         size = sum(t.numel() * t.element_size() for t in kv)
-        return not (self.config.kv_streaming or size > self.config.kv_stream_threshold_bytes)
+        return self.config.kv_streaming or size > self.config.kv_stream_threshold_bytes
 
     def _propose(self, jobs: list[_Job], rows: SamplingTensors) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Each job's K draft-space tokens and, for a stochastic law, their distributions [K, Vd]."""
