@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
@@ -11,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -59,6 +61,35 @@ def write_results(name: str, env: dict[str, str], rows: list[dict] | dict, table
     path = RESULTS / f"{name}-{tag}-{env['date'][:10]}.json"
     path.write_text(json.dumps({"environment": env, "rows": rows, "table": table}, indent=2) + "\n")
     return path
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_: ClassVar = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def _mallinfo2():
+    try:
+        function = ctypes.CDLL("libc.so.6").mallinfo2  # glibc >= 2.33
+    except (OSError, AttributeError):
+        return None
+    function.restype = _MallInfo2
+    return function
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_in_use() -> int | None:
+    """Bytes the process has allocated and not freed, by glibc's count (every malloc: torch,
+    numpy, gRPC, Python alike), or None without glibc's mallinfo2. Unlike RSS it does not
+    count memory freed but kept by the allocator."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return info.uordblks + info.hblkhd
 
 
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:

@@ -10,11 +10,10 @@
    run; the zero-copy codec (protos/wire.py) next to the protobuf path it replaced, and
    torch `copy_` of the same bytes.
 3. KV handoff of a Llama-3-8B-shaped KV (32 layers x K,V [8, seq, 128] bf16, 128 KiB a
-   token; random tensors) through real gRPC on loopback to the real DecodeServicer (a
-   stub engine whose submit marks "decode tensors ready", in its own process): one Decode
-   message and DecodeStream in --kv-chunk-bytes slices, next to a raw TCP socket sending
-   the same bytes (sendall of the tensors' memoryviews, recv_into one buffer). Peak extra
-   memory: RSS sampled every 5 ms on each side, beyond the KV itself.
+   token; random tensors) through real gRPC on loopback into the decode node's paged pool
+   (bench/wire_kv.py, also runnable alone): one Decode message, DecodeStream in
+   --kv-chunk-bytes slices and the shared-memory handoff, next to a raw TCP socket sending
+   the same bytes. Peak extra memory (RSS and heap in use) on each side, beyond the KV itself.
 Writes bench/results/wire-*.json.
 """
 

@@ -20,6 +20,12 @@ def build_parser():
         choices=["auto", "torch", "cupy"],
         help="rejection sampler (auto: cupy on a GPU)",
     )
+    parser.add_flag(
+        "--accept-shm-kv",
+        default=False,
+        type=bool,
+        help="take a KV handed over in /dev/shm by a prefill node on this host (--kv-transport shm)",
+    )
     return parser
 
 
@@ -37,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
         sampler_backend=args.sampler_backend,
         device=args.device,
     )
-    return DecodeNodeConfig(engine=engine, limits=request_limits(args), **node_options(args, parser))
+    return DecodeNodeConfig(
+        engine=engine, limits=request_limits(args), accept_shm_kv=args.accept_shm_kv, **node_options(args, parser)
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,13 +1,15 @@
 """The decode engine: continuous batching of speculative decoding, no gRPC inside.
 
 Each request arrives validated (`protos.validation.DecodeInput`): prompt, first token,
-the prefill's proposal (a chain of K drafts or a candidate tree) and the KV state. Every
-engine step, for all active requests at once: the draft proposes (a tree of the request's
-shape, engine/proposer.py; on a request's first step the prefill's proposal is verified
-instead), ONE target forward scores [last, nodes...] of every row with tree attention,
-and ONE rejection-sampling launch verifies every row (chains of one K and one law take
-the chain kernel, anything mixed the tree kernel). Emitted tokens go to the request's
-event queue; the servicer streams them.
+the prefill's proposal (a chain of K drafts or a candidate tree) and the KV state, or,
+streamed (DecodeStream, shared memory), the KV after it: such a request's target KV is
+reserved in arrival order, the servicer writes the bytes straight into it, and the request
+is admitted once they are all in. Every engine step, for all active requests at once: the
+draft proposes (a tree of the request's shape, engine/proposer.py; on a request's first
+step the prefill's proposal is verified instead), ONE target forward scores [last,
+nodes...] of every row with tree attention, and ONE rejection-sampling launch verifies
+every row (chains of one K and one law take the chain kernel, anything mixed the tree
+kernel). Emitted tokens go to the request's event queue; the servicer streams them.
 
 Token bookkeeping per request: `history` = prompt + every emitted token. The target
 has consumed all of history but its last token; the draft has consumed a prefix of
@@ -27,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.proposer import Drafted, check_tree_limits, draft_tokens, shape_nodes, tree_shape
-from models.base import State
+from models.base import State, import_tensors
+from models.kv_import import Buffer
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from pdspec.stopping import finish_reason
@@ -87,6 +90,11 @@ class Request:
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
+    # Streamed: the KV is not in `input`; the servicer writes it into target_state once
+    # `reserved` is set (DecodeEngine.import_chunk), then calls DecodeEngine.imported.
+    streamed: bool = False
+    reserved: threading.Event = field(default_factory=threading.Event)
+    imported: bool = False
     # Engine-owned from here on.
     history: list[int] = field(default_factory=list)
     target_state: State | None = None
@@ -148,8 +156,12 @@ class DecodeEngine:
         nodes = max(len(decode_input.draft_token_ids), shape_nodes(self.shape(decode_input)))
         return len(decode_input.prompt_token_ids) + budget + nodes + 1
 
-    def submit(self, decode_input: DecodeInput) -> Request:
-        request = Request(decode_input)
+    def submit(self, decode_input: DecodeInput, *, streamed: bool = False) -> Request:
+        """Queue a request (QueueFull when it can never fit or the queue is full). `streamed`: its
+        KV comes later; its target KV is reserved when its turn comes (at once when nothing waits
+        ahead of it), `request.reserved` is set, and the caller writes the bytes (import_chunk)
+        and calls imported(), or cancel()."""
+        request = Request(decode_input, streamed=streamed)
         needed = self.kv_tokens(decode_input)
         for role, model in (("target", self.pair.target), ("draft", self.pair.draft)):
             capacity = model.capacity_tokens()
@@ -158,16 +170,32 @@ class DecodeEngine:
         with self._lock:
             if len(self._pending) + len(self._active) >= self.config.max_batch + self.config.max_queue:
                 raise QueueFull(f"{self.config.max_batch} running and {self.config.max_queue} queued")
+            if streamed and all(r.target_state is not None for r in self._pending):
+                self._claim(request)  # nothing waits for KV ahead of it: the upload need not wait for a step
             self._pending.append(request)
             self._lock.notify()
         return request
 
     def cancel(self, request: Request) -> None:
-        """Drop a request: a queued one leaves the queue now, a running one at the next step."""
+        """Drop a request: a queued one leaves the queue now (with any KV reserved for it), a
+        running one at the next step. A streamed request's writer calls it only once it has
+        stopped writing."""
         request.cancelled.set()
         with self._lock:
             if request in self._pending:
                 self._pending.remove(request)
+                self._retire(request)
+
+    def import_chunk(self, request: Request, index: int, offset: int, data: Buffer) -> None:
+        """Bytes [offset, offset + len(data)) of KV tensor `index` of a reserved streamed request."""
+        self.pair.target.import_chunk(request.target_state, index, offset, data)
+
+    def imported(self, request: Request) -> None:
+        """Every KV byte of a streamed request written: it is admitted when a slot is free."""
+        self.pair.target.finish_import(request.target_state)
+        with self._lock:
+            request.imported = True
+            self._lock.notify()
 
     @property
     def max_draft_candidates(self) -> int:
@@ -216,8 +244,13 @@ class DecodeEngine:
         admitted = []
         with self._lock:
             room = self.config.max_batch - len(self._active)
-            while self._pending and len(admitted) < room and self._fits(self._pending[0]):
-                admitted.append(self._pending.pop(0))
+            for request in list(self._pending):
+                # A streamed request takes its KV before it takes a slot: its upload runs while it waits.
+                if (len(admitted) >= room and not request.streamed) or not self._claim(request):
+                    break  # what is behind it waits its turn
+                if len(admitted) < room and (request.imported or not request.streamed):
+                    self._pending.remove(request)
+                    admitted.append(request)
             if not admitted and not self._active:
                 self._lock.wait(0.01)  # nothing can start now (no slot or KV): do not spin
         for request in admitted:
@@ -252,11 +285,20 @@ class DecodeEngine:
             (self._retire if request.cancelled.is_set() else kept.append)(request)
         self._active = kept
 
-    def _fits(self, request: Request) -> bool:
-        if request.cancelled.is_set():
-            return True  # admitted only to be retired at once
+    def _claim(self, request: Request) -> bool:
+        """Reserve the request's target KV for all it may need (`kv_tokens`); False when the pools
+        cannot hold it now. Called with the lock held, by the engine thread and by submit for an
+        upload, so no thread takes blocks between another's check and its reservation. The draft
+        KV is reserved at admission: its pool holds as many tokens as the target's, and a request
+        holds draft blocks only while it holds target blocks, so it fits then."""
+        if request.target_state is not None or request.cancelled.is_set():
+            return True  # reserved already, or admitted only to be retired at once
         needed = self.kv_tokens(request.input)
-        return self.pair.target.can_reserve(needed) and self.pair.draft.can_reserve(needed)
+        if not (self.pair.target.can_reserve(needed) and self.pair.draft.can_reserve(needed)):
+            return False
+        request.target_state = self.pair.target.begin_import(request.input.prompt_token_ids, needed)
+        request.reserved.set()
+        return True
 
     def _retire(self, request: Request) -> None:
         """Free a leaving request's KV (finished, cancelled, expired or failed)."""
@@ -271,10 +313,10 @@ class DecodeEngine:
         pair = self.pair
         request.history = [*data.prompt_token_ids, data.first_token_id]
         if request.cancelled.is_set():
-            return  # never starts: no KV taken
+            return  # never starts: _retire frees what _claim reserved
         needed = self.kv_tokens(data)
-        request.target_state = pair.target.import_state(data.kv_cache, data.prompt_token_ids)
-        pair.target.reserve(request.target_state, needed)
+        if not request.streamed:  # the KV came in the message: into the blocks _claim reserved
+            import_tensors(pair.target, request.target_state, data.kv_cache)
         request.draft_state = pair.draft.prefill(data.prompt_token_ids)[1]
         pair.draft.reserve(request.draft_state, needed)
         request.rng = RequestRng(data.params.seed, stream="decode")

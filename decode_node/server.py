@@ -9,7 +9,6 @@ in-flight requests within the grace period.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import queue
@@ -18,10 +17,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
-import torch
 
 import pdspec
-from decode_node.engine import DecodeConfig, DecodeEngine, Event, QueueFull
+from decode_node.engine import DecodeConfig, DecodeEngine, Event, QueueFull, Request
 from engine.paged_lm import paged_pair
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics, SummaryLogger
@@ -29,12 +27,19 @@ from pdspec.modelspec import ModelSpec, backends, model_dtype
 from pdspec.serving import NodeShell
 from pdspec.tls import ServerTls, ServiceGuard
 from protos import pdspec_pb2, pdspec_pb2_grpc
-from protos.codec import TORCH_DTYPES
 from protos.contract import max_message_bytes
 from protos.proposal import ProposalEncoding, choose_encoding
 from protos.rpc import add_decode_servicer
+from protos.shm_kv import SharedKvError, mapped
 from protos.status import ended_status, status_code, to_grpc_status
-from protos.validation import DecodeInput, Receiver, RequestLimits, Violation, validate_decode_request
+from protos.validation import (
+    DecodeInput,
+    Receiver,
+    RequestLimits,
+    Violation,
+    declared_bytes,
+    validate_decode_request,
+)
 from protos.wire import ParsedChunk, ParsedDecodeRequest
 
 log = logging.getLogger(__name__)
@@ -47,6 +52,8 @@ ENCODING_LABELS = {
 # A request waiting in the queue sends an empty message this often, so the prefill node's relay
 # watchdog (--decode-stall-seconds, 3 s) tells a queued request from a frozen decode node.
 HEARTBEAT_S = 1.0
+# A shared-memory KV is imported in slices of this size (a GPU stages each through its pinned buffer).
+SHM_SLICE_BYTES = 4 << 20
 VALIDATED_FIELDS = (
     "request_id",
     "protocol_version",
@@ -61,6 +68,7 @@ VALIDATED_FIELDS = (
     "proposal.sparse_probs",
     "kv_cache",
     "kv_manifest",
+    "kv_shm",
     "kv",
     "request",
     "sampling.temperature",
@@ -84,6 +92,7 @@ class DecodeNodeConfig:
     grace_s: float = 5.0
     log_stats_s: float = 10.0  # period of the summary log line (0 = off)
     tls: ServerTls | None = None  # TLS; with its `ca`, mTLS: only clients that CA signed
+    accept_shm_kv: bool = False  # --accept-shm-kv: take a KV in shared memory (DecodeRequest.kv_shm)
 
 
 class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
@@ -137,26 +146,43 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
     def _decode(self, request: ParsedDecodeRequest, context):
         def body(started: float, outcome: list[str]):
             result = self._validated(request, context, outcome)
-            self.metrics.kv_bytes.labels("decode").inc(request.kv_bytes)
-            yield from self._generate(result, context, started, outcome)
+            shared = request.header.kv_shm if request.header.HasField("kv_shm") else None
+            handle = self._submit(result, context, outcome, streamed=shared is not None)
+            try:
+                if shared is not None:  # the KV in shared memory: imported like a stream's chunks
+                    if not (yield from self._reserved(handle, context, outcome)):
+                        return
+                    yield from self._import_shared(handle, shared, context, outcome)
+                else:
+                    self.metrics.kv_bytes.labels("decode").inc(request.kv_bytes)
+                yield from self._generate(handle, context, started, outcome)
+            finally:
+                self.engine.cancel(handle)  # every way out (return, abort, a closed stream) frees the slot
 
         return body
 
     def _decode_stream(self, chunks: Iterator[ParsedChunk], context):
         def body(started: float, outcome: list[str]):
             try:
-                result = self._receive(chunks, context, outcome)
-            except grpc.RpcError:  # the client cancelled mid-upload: what was reserved is dropped
+                first = next(chunks, None)
+            except grpc.RpcError:  # the client went away before its first chunk
                 outcome[0] = ended_status(context)
                 return
-            yield from self._generate(result, context, started, outcome)
+            result = self._first_chunk(first, context, outcome)
+            handle = self._submit(result, context, outcome, streamed=True)
+            try:
+                if not (yield from self._reserved(handle, context, outcome)):
+                    return
+                if not (yield from self._upload(handle, chunks, first.manifest, context, outcome)):
+                    return  # the client went away mid-upload: what was reserved is freed below
+                yield from self._generate(handle, context, started, outcome)
+            finally:
+                self.engine.cancel(handle)
 
         return body
 
-    def _receive(self, chunks: Iterator[ParsedChunk], context, outcome: list[str]) -> DecodeInput:
-        """Validate the first chunk, reserve the KV (host tensors of the declared shapes),
-        fill it slice by slice; any gap, overlap or overrun is INVALID_ARGUMENT."""
-        first = next(chunks, None)
+    def _first_chunk(self, first: ParsedChunk | None, context, outcome: list[str]) -> DecodeInput:
+        """The request and KV manifest of a DecodeStream's first chunk, validated."""
         if first is None or first.error is not None or first.request is None:
             problem = "no chunks" if first is None else "a chunk without a request"
             self._reject(
@@ -169,90 +195,146 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
                 context,
                 outcome,
             )
-        request = first.request
-        rid = request.request_id
         if first.kv is not None:
+            rid = first.request.request_id
             self._reject([Violation("kv", "no KV slice in the first chunk", "a slice")], rid, context, outcome)
-        result = self._validated(request, context, outcome, first.manifest)
-        buffers = [torch.empty(tuple(pb.shape), dtype=TORCH_DTYPES[pb.data_type]) for pb in first.manifest]
-        flat = [b.view(-1).view(torch.uint8) if b.numel() else b.view(torch.uint8) for b in buffers]
-        got = [0] * len(buffers)
-        for chunk in chunks:
+        return self._validated(first.request, context, outcome, first.manifest)
+
+    def _submit(self, result: DecodeInput, context, outcome: list[str], *, streamed: bool = False) -> Request:
+        try:
+            return self.engine.submit(result, streamed=streamed)
+        except QueueFull as err:
+            outcome[0] = "RESOURCE_EXHAUSTED"
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {result.request_id!r}: queue full ({err})")
+
+    def _reserved(self, handle: Request, context, outcome: list[str]):
+        """Wait (sending heartbeats) until a streamed request's KV is reserved; False if the call ended."""
+        while not handle.reserved.wait(HEARTBEAT_S):  # the pool is full: queued like any request
+            if not context.is_active():
+                outcome[0] = ended_status(context)
+                return False
+            yield pdspec_pb2.GenerateResponse(request_id=handle.input.request_id)
+        return True
+
+    def _upload(self, handle: Request, chunks: Iterator[ParsedChunk], manifest, context, outcome: list[str]):
+        """Write each KV slice into the reserved storage as it arrives; any gap, overlap or
+        overrun is INVALID_ARGUMENT; False if the call ended first. Heartbeats go out meanwhile:
+        an upload of gigabytes takes seconds, longer than the prefill's relay watchdog waits."""
+        rid = handle.input.request_id
+        sizes = [declared_bytes(pb) for pb in manifest]
+        got = [0] * len(sizes)
+        sent = time.monotonic()
+        while True:
+            try:
+                chunk = next(chunks, None)
+            except grpc.RpcError:  # the client cancelled, or its deadline passed
+                outcome[0] = ended_status(context)
+                return False
+            if chunk is None:
+                break
             problem = chunk.error
             if problem is None and (chunk.kv is None or chunk.request is not None or chunk.manifest):
                 problem = Violation("kv", "a chunk with a KV slice only", "a request, manifest or nothing")
             if problem is None:
                 i, offset, size = chunk.kv.tensor_index, chunk.kv.offset, len(chunk.data)
-                if not 0 <= i < len(buffers):
-                    problem = Violation("kv.tensor_index", f"0..{len(buffers) - 1}", str(i))
+                if not 0 <= i < len(sizes):
+                    problem = Violation("kv.tensor_index", f"0..{len(sizes) - 1}", str(i))
                 elif offset != got[i]:
                     problem = Violation(f"kv[{i}].offset", f"{got[i]} (the bytes received so far)", str(offset))
-                elif offset + size > flat[i].numel():
-                    problem = Violation(f"kv[{i}].data", f"at most {flat[i].numel() - offset} bytes", f"{size} bytes")
+                elif offset + size > sizes[i]:
+                    problem = Violation(f"kv[{i}].data", f"at most {sizes[i] - offset} bytes", f"{size} bytes")
             if problem is not None:
                 self._reject([problem], rid, context, outcome)
-            if size:
-                flat[i][offset : offset + size] = torch.frombuffer(chunk.data, dtype=torch.uint8)
-                got[i] += size
-        missing = [i for i, b in enumerate(flat) if got[i] != b.numel()]
+            self.engine.import_chunk(handle, i, offset, chunk.data)
+            got[i] += size
+            del chunk  # the message's bytes go before the next one is read: one held at a time
+            if time.monotonic() - sent > HEARTBEAT_S:
+                sent = time.monotonic()
+                yield pdspec_pb2.GenerateResponse(request_id=rid)
+        missing = [i for i, size in enumerate(sizes) if got[i] != size]
+        if missing and _ends(context):
+            outcome[0] = ended_status(context)
+            return False
         if missing:
             i = missing[0]
             self._reject(
-                [Violation(f"kv[{i}]", f"{flat[i].numel()} bytes", f"{got[i]} bytes ({len(missing)} tensors short)")],
+                [Violation(f"kv[{i}]", f"{sizes[i]} bytes", f"{got[i]} bytes ({len(missing)} tensors short)")],
                 rid,
                 context,
                 outcome,
             )
         self.metrics.kv_bytes.labels("decode").inc(sum(got))
-        return dataclasses.replace(result, kv_cache=buffers)
+        self.engine.imported(handle)
+        return True
 
-    def _generate(self, result: DecodeInput, context, started: float, outcome: list[str]):
-        rid = result.request_id
+    def _import_shared(self, handle: Request, shared: pdspec_pb2.SharedKv, context, outcome: list[str]):
+        """Import a validated shared-memory KV from its mapping, a slice at a time (heartbeats between)."""
+        rid = handle.input.request_id
+        sent = time.monotonic()
         try:
-            handle = self.engine.submit(result)
-        except QueueFull as err:
-            outcome[0] = "RESOURCE_EXHAUSTED"
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {rid!r}: queue full ({err})")
+            with mapped(shared) as view:
+                for i, (start, length) in enumerate(zip(shared.offsets, shared.lengths, strict=True)):
+                    for offset in range(0, length, SHM_SLICE_BYTES):
+                        end = start + min(offset + SHM_SLICE_BYTES, length)
+                        self.engine.import_chunk(handle, i, offset, view[start + offset : end])
+                    if time.monotonic() - sent > HEARTBEAT_S:
+                        sent = time.monotonic()
+                        yield pdspec_pb2.GenerateResponse(request_id=rid)
+        except SharedKvError as err:
+            self._reject([err.violation], rid, context, outcome)
+        self.metrics.kv_bytes.labels("decode").inc(sum(shared.lengths))
+        self.engine.imported(handle)
+
+    def _generate(self, handle: Request, context, started: float, outcome: list[str]):
+        rid = handle.input.request_id
         # A client cancel or deadline cancels the engine request. add_callback returns False
         # when the RPC has already ended (a 1 ms deadline can expire before this line): then
         # nothing would ever call it, so cancel now.
         if not context.add_callback(lambda: self.engine.cancel(handle)):
             self.engine.cancel(handle)
         first, last, sent = True, started, started
-        try:
-            while True:
-                try:
-                    event: Event | None = handle.events.get(timeout=0.25)
-                except queue.Empty:
-                    event = None
-                if not context.is_active():  # checked on every event, not only when idle
-                    outcome[0] = ended_status(context)
-                    return
-                if event is None:
-                    if time.monotonic() - sent > HEARTBEAT_S:  # queued for a slot: not a silent node
-                        sent = time.monotonic()
-                        yield pdspec_pb2.GenerateResponse(request_id=rid)
-                    continue
-                event = _coalesce(event, handle.events)
-                if event.error:
-                    outcome[0] = "INTERNAL"
-                    context.abort(grpc.StatusCode.INTERNAL, f"request {rid!r}: {event.error}")
-                now = time.monotonic()
-                if first and event.tokens:
-                    self.metrics.time_to_first_token.labels("decode").observe(now - started)
-                    first = False
-                elif event.tokens:
-                    gap = (now - last) / len(event.tokens)
-                    for _ in event.tokens:
-                        self.metrics.inter_token_latency.labels("decode").observe(gap)
-                last = now
-                self.metrics.generated_tokens.labels("decode").inc(len(event.tokens))
-                sent = now
-                yield _response(rid, event)
-                if event.finished:
-                    return
-        finally:
-            self.engine.cancel(handle)  # every way out (return, abort, a closed stream) frees the slot
+        while True:
+            try:
+                event: Event | None = handle.events.get(timeout=0.25)
+            except queue.Empty:
+                event = None
+            if not context.is_active():  # checked on every event, not only when idle
+                outcome[0] = ended_status(context)
+                return
+            if event is None:
+                if time.monotonic() - sent > HEARTBEAT_S:  # queued for a slot: not a silent node
+                    sent = time.monotonic()
+                    yield pdspec_pb2.GenerateResponse(request_id=rid)
+                continue
+            event = _coalesce(event, handle.events)
+            if event.error:
+                outcome[0] = "INTERNAL"
+                context.abort(grpc.StatusCode.INTERNAL, f"request {rid!r}: {event.error}")
+            now = time.monotonic()
+            if first and event.tokens:
+                self.metrics.time_to_first_token.labels("decode").observe(now - started)
+                first = False
+            elif event.tokens:
+                gap = (now - last) / len(event.tokens)
+                for _ in event.tokens:
+                    self.metrics.inter_token_latency.labels("decode").observe(gap)
+            last = now
+            self.metrics.generated_tokens.labels("decode").inc(len(event.tokens))
+            sent = now
+            yield _response(rid, event)
+            if event.finished:
+                return
+
+
+def _ends(context, within_s: float = 0.5) -> bool:
+    """Whether the call is ending (cancelled, past its deadline). gRPC can end a cancelled
+    request stream the way a client ends a short one, and report the cancel a moment later."""
+    end = time.monotonic() + within_s
+    while context.is_active():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _coalesce(event: Event, events: queue.Queue) -> Event:
@@ -329,7 +411,24 @@ def node_info(pair: ModelPair, config: DecodeNodeConfig, engine: DecodeEngine) -
         max_prompt_tokens=config.limits.max_prompt_tokens,
         max_draft_candidates=engine.max_draft_candidates,
         max_tree_nodes=engine_config.max_tree_nodes,
+        accepts_shm_kv=config.accept_shm_kv,
     )
+
+
+def server_options(limit: int) -> list[tuple[str, int]]:
+    """The decode node's gRPC server settings (bench/wire_kv.py serves with them too)."""
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        # the prefill node's keepalive pings (how it notices a dead peer within seconds)
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+        ("grpc.http2.max_ping_strikes", 0),
+        # Without BDP probing a stream's window grows to the message being read and not beyond:
+        # an upload then holds ~5 chunks of 1 MiB in this process, where probing let the read-ahead
+        # reach 8 (tests/nodes/test_kv_import.py); the loopback throughput: BENCHMARKS.md.
+        ("grpc.http2.bdp_probe", 0),
+    ]
 
 
 @contextlib.contextmanager
@@ -350,14 +449,7 @@ def run_server(
         host=config.host,
         port=config.port,
         streams=config.engine.max_batch + config.engine.max_queue,
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            # the prefill node's keepalive pings (how it notices a dead peer within seconds)
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
-            ("grpc.http2.max_ping_strikes", 0),
-        ],
+        options=server_options(limit),
         metrics=metrics,
         metrics_port=config.metrics_port,
         tls=config.tls,
@@ -369,8 +461,9 @@ def run_server(
         config.engine.max_speculative_tokens,
         pair.d2t,
         config.limits,
-        engine.max_draft_candidates,
-        config.engine.max_tree_nodes,
+        max_draft_candidates=engine.max_draft_candidates,
+        max_tree_nodes=config.engine.max_tree_nodes,
+        accept_shm_kv=config.accept_shm_kv,
     )
     info = node_info(pair, config, engine)
     metrics.node_info.info(

@@ -6,7 +6,9 @@ blocks (its block table); token i of the sequence lives in slot
 `table[i // block_size] * block_size + i % block_size`. Admission reserves every block a
 request can ever need (prompt + max_new_tokens + K + 1), so a running request never waits
 for memory; rejection moves the length back (its slots are overwritten later); finishing,
-cancelling or failing returns the blocks to the free list.
+cancelling or failing returns the blocks to the free list. The free list is shared by the
+engine thread and the gRPC threads that import streamed KV (a reservation made when a
+DecodeStream's header arrives), so reserving and releasing hold the pool's lock.
 
 `PagedBatch` is the models' `KvStore` for one ragged forward over such sequences: it writes
 the new keys/values into their slots with one `index_copy_` per layer and attends each row's
@@ -16,6 +18,7 @@ longest row of the batch, or to the graph bucket's width, and masked causally).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +39,8 @@ class PagedSeq:
 
 
 class KvPool:
-    """The pool and its free list (thread-confined to the engine that owns it)."""
+    """The pool and its free list. Blocks are written only by their owner (the engine for an
+    admitted request, an import for a reserved one), so only the free list needs the lock."""
 
     def __init__(
         self,
@@ -59,6 +63,7 @@ class KvPool:
         # read it. It is never handed out, so no request's KV is ever touched by padding.
         self.scratch_slot = 0
         self._free = list(range(num_blocks - 1, 0, -1))  # a stack: recently freed blocks first
+        self._lock = threading.Lock()
 
     @staticmethod
     def bytes_per_block(layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
@@ -84,24 +89,19 @@ class KvPool:
         more = self.blocks_for(tokens) - len(seq.blocks)
         if more <= 0:
             return
-        if more > len(self._free):
-            raise KvCacheFull(f"KV cache: {tokens} tokens need {more} more blocks, {len(self._free)} free")
-        for _ in range(more):
-            seq.blocks.append(self._free.pop())
+        with self._lock:
+            if more > len(self._free):
+                raise KvCacheFull(f"KV cache: {tokens} tokens need {more} more blocks, {len(self._free)} free")
+            seq.blocks.extend(self._free.pop() for _ in range(more))
 
     def release(self, seq: PagedSeq) -> None:
-        self._free.extend(reversed(seq.blocks))
+        with self._lock:
+            self._free.extend(reversed(seq.blocks))
         seq.blocks, seq.length = [], 0
 
     def slots(self, seq: PagedSeq, start: int, end: int) -> torch.Tensor:
         """[end - start] int64 slot ids of positions start..end-1 (host tensor)."""
         return self.slots_at(seq, torch.arange(start, end))
-
-    def write(self, seq: PagedSeq, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Import keys/values [Hkv, S, D] of positions 0..S-1 (the wire layout) into the slots."""
-        slots = self.slots(seq, 0, keys.shape[1]).to(self.kv.device)
-        self.kv[layer, 0].index_copy_(0, slots, keys.transpose(0, 1).to(self.kv))
-        self.kv[layer, 1].index_copy_(0, slots, values.transpose(0, 1).to(self.kv))
 
     def move(self, seq: PagedSeq, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy the KV of positions `src` to positions `dst` in every layer (an accepted
@@ -114,14 +114,6 @@ class KvPool:
         pos = torch.as_tensor(positions, dtype=torch.int64)
         table = torch.tensor(seq.blocks, dtype=torch.int64)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
-    def read(self, seq: PagedSeq, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys, values [Hkv, length, D] of the live positions (the wire layout)."""
-        slots = self.slots(seq, 0, seq.length).to(self.kv.device)
-        return (
-            self.kv[layer, 0].index_select(0, slots).transpose(0, 1).contiguous(),
-            self.kv[layer, 1].index_select(0, slots).transpose(0, 1).contiguous(),
-        )
 
 
 def bucket(n: int, smallest: int = 1) -> int:

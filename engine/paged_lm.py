@@ -4,7 +4,8 @@
 (models/llama.py) holds no cache; every request's KV lives in the model's `KvPool` (one
 preallocated tensor) under a block table. The wire KV goes straight between the pool and
 the `[kv_heads, seq, head_dim]` tensors of the contract (`export_state` gathers the live
-slots, `import_state` scatters into freshly reserved blocks): no per-request cache object.
+slots; an import writes the wire bytes, whole tensors or streamed chunks, into blocks reserved
+when it begins): no per-request cache object.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
-from models.base import State, check_kv_tensors, close_span, extend_span
+from models.base import ChunkedImport, State, close_span, end_import, extend_span
+from models.kv_import import KvWriter
 from models.llama import LlamaCausalLM
 from models.pair import ModelPair
 from sampling.tree import MAX_TREE_NODES
@@ -58,7 +60,7 @@ class _Graph:
             static.copy_(host, non_blocking=True)
 
 
-class PagedLlamaLM:
+class PagedLlamaLM(ChunkedImport):
     def __init__(self, model: LlamaCausalLM, pool: KvPool, *, graphs: bool = True) -> None:
         self.model = model
         self.pool = pool
@@ -106,6 +108,7 @@ class PagedLlamaLM:
         self.pool.reserve(state.kv, tokens)  # KvCacheFull (and nothing taken) when it does not fit
 
     def release(self, state: State) -> None:
+        end_import(state)  # an import's copies finish before its blocks can be handed out again
         self.pool.release(state.kv)
 
     # -- the CausalLM interface -------------------------------------------------------------
@@ -265,18 +268,29 @@ class PagedLlamaLM:
             self.pool.move(state.kv, src, dst)
         state.kv.length = len(state.tokens)
 
-    def export_state(self, state: State) -> list[torch.Tensor]:
-        return [t.cpu() for layer in range(self.num_layers) for t in self.pool.read(state.kv, layer)]
+    def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The live slots of each layer gathered into the wire layout, on the host."""
+        slots = self.pool.slots(state.kv, 0, state.kv.length).to(self.device)
+        tensors = []
+        for index in range(len(self.kv_layout)):
+            layer, kind = divmod(index, 2)
+            live = self.pool.kv[layer, kind].index_select(0, slots).transpose(0, 1)  # [Hkv, length, D]
+            tensors.append(live.contiguous().cpu() if out is None else out[index].copy_(live))
+        return tensors
 
-    def import_state(self, tensors: Sequence[torch.Tensor], tokens: Sequence[int]) -> State:
-        check_kv_tensors(tensors, self.kv_layout, len(tokens))
+    def begin_import(self, tokens: Sequence[int], reserve: int) -> State:
+        """Blocks for `reserve` positions, taken at once (KvCacheFull and nothing taken if the pool
+        lacks them): no forward reads them until the request they belong to is admitted."""
         seq = len(tokens)
         state = State(tokens=list(tokens), kv=PagedSeq())
-        self.reserve(state, seq)
-        for layer in range(self.num_layers):
-            self.pool.write(state.kv, layer, tensors[2 * layer], tensors[2 * layer + 1])
-        state.kv.length = seq
+        self.reserve(state, max(reserve, seq))
+        storages = [self.pool.kv[layer, kind] for layer in range(self.num_layers) for kind in (0, 1)]
+        state.importing = KvWriter(self.kv_layout, seq, storages, self.pool.slots(state.kv, 0, seq))
         return state
+
+    def finish_import(self, state: State) -> None:
+        end_import(state)
+        state.kv.length = len(state.tokens)
 
 
 def paged_pair(pair: ModelPair, kv_cache_bytes: int, *, graphs: bool = True) -> ModelPair:

@@ -2,8 +2,10 @@
 
 A model maps token-id histories to next-token logits. Its per-request `State` is what
 the verify pass extends, rejection truncates, and the wire ships: `export_state` gives
-tensors (the KV cache; none for models whose state is the token ids alone) that
-`import_state` on the other node turns back into a State without recomputing the prompt.
+tensors (the KV cache; none for models whose state is the token ids alone) that the other
+node imports without recomputing the prompt. Import goes a chunk at a time straight into the
+model's own storage (`begin_import`, `import_chunk`, `finish_import`), so a streamed KV is
+never held twice; `import_state` (whole tensors) is the one-chunk-per-tensor case of it.
 Draft models take TARGET-vocabulary ids as input (EAGLE-style: they read the same
 history as the target) and emit logits over their own vocabulary.
 """
@@ -16,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from models.kv_import import Buffer, KvWriter
 from protos.contract import KvTensorSpec
 
 
@@ -26,6 +29,7 @@ class State:
     tokens: list[int] = field(default_factory=list)
     kv: object = None  # backend-specific cache; None for the n-gram models
     tree: TreeSpan | None = None  # an open tree of candidate tokens after the history (extend_tree)
+    importing: KvWriter | None = None  # between begin_import and finish_import (or release)
 
 
 @dataclass
@@ -152,11 +156,24 @@ class CausalLM(Protocol):
         """Close the open tree: the path `keep` (tree indices, root child first) becomes
         history, every other tree token is dropped."""
 
-    def export_state(self, state: State) -> list[torch.Tensor]:
-        """The state as tensors matching `kv_layout` (SEQ = len(state.tokens))."""
+    def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The state as tensors matching `kv_layout` (SEQ = len(state.tokens)); with `out` (host
+        tensors of those shapes: a shared-memory segment's), written into them and returned."""
 
     def import_state(self, tensors: Sequence[torch.Tensor], tokens: Sequence[int]) -> State:
-        """Rebuild a State from export_state's tensors and the consumed tokens."""
+        """Rebuild a State from export_state's tensors and the consumed tokens (`ChunkedImport`)."""
+
+    def begin_import(self, tokens: Sequence[int], reserve: int) -> State:
+        """A State that has consumed `tokens`, its KV storage reserved for `reserve` positions
+        (at least the tokens) but not yet written; raises when the pool lacks it (nothing taken).
+        Then import_chunk for every byte, then finish_import; release() undoes it at any point."""
+
+    def import_chunk(self, state: State, index: int, offset: int, data: Buffer | torch.Tensor) -> None:
+        """Bytes [offset, offset + len(data)) of KV tensor `index` (the export_state layout, C
+        order), written into the state's storage; a tensor stands for its bytes."""
+
+    def finish_import(self, state: State) -> None:
+        """Every byte written: wait for the copies, then the state is usable (forwards read it)."""
 
     # KV memory. A model on a bounded pool (engine/paged_lm.py) reserves a request's KV at
     # admission and frees it when the request leaves; others grow on demand (`GrowingKv`).
@@ -183,6 +200,41 @@ def check_kv_tensors(tensors: Sequence[torch.Tensor], layout: Sequence[KvTensorS
             raise ValueError(f"tensors[{index}]: expected {expected}, got {got}")
 
 
+def end_import(state: State) -> None:
+    """Wait for the copies of an import still in progress (a GPU's are asynchronous): before its
+    KV is read (finish_import) or its storage freed (release)."""
+    if state.importing is not None:
+        state.importing.wait()
+        state.importing = None
+
+
+def import_tensors(model: CausalLM, state: State, tensors: Sequence[torch.Tensor]) -> None:
+    """Write export_state's tensors into a begun import, one chunk each, and finish it."""
+    check_kv_tensors(tensors, model.kv_layout, len(state.tokens))
+    for index, tensor in enumerate(tensors):
+        model.import_chunk(state, index, 0, tensor)
+    model.finish_import(state)
+
+
+class ChunkedImport:
+    """`import_chunk` through the state's KvWriter and `import_state` as the whole-tensor case
+    of the chunked import, for a model that implements begin_import / finish_import / release."""
+
+    def import_chunk(self, state: State, index: int, offset: int, data: Buffer | torch.Tensor) -> None:
+        if state.importing is None:  # finished already, or a model whose state is its token ids
+            raise ValueError(f"state: expected an import in progress (begin_import), got none (KV tensor {index})")
+        state.importing.write(index, offset, data)
+
+    def import_state(self, tensors: Sequence[torch.Tensor], tokens: Sequence[int]) -> State:
+        state = self.begin_import(tokens, len(tokens))
+        try:
+            import_tensors(self, state, tensors)
+        except BaseException:
+            self.release(state)
+            raise
+        return state
+
+
 class GrowingKv:
     """The reservation methods of a model whose state grows on demand (no pool to run out of),
     and `extend_last` by way of its `extend_batch`."""
@@ -200,4 +252,4 @@ class GrowingKv:
         pass
 
     def release(self, state: State) -> None:
-        pass
+        end_import(state)  # the memory goes with the state; no copy may still be writing it

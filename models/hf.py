@@ -1,10 +1,10 @@
 """HF transformers causal LMs from local directories (optional extra `[hf]`).
 
 The target's KV cache travels: `export_state` gives 2 x num_layers tensors [kv_heads, seq,
-head_dim] in the model's dtype (batch dimension dropped), `import_state` rebuilds a
-DynamicCache from them, so the decode node never recomputes the prompt. Truncation slices
-the cache (version-independent: it rebuilds the DynamicCache rather than relying on the
-`crop` signature, which changed between transformers releases).
+head_dim] in the model's dtype (batch dimension dropped); an import writes them into
+fresh layer tensors and builds a DynamicCache of those, so the decode node never recomputes
+the prompt. Truncation slices the cache (version-independent: it rebuilds the DynamicCache
+rather than relying on the `crop` signature, which changed between transformers releases).
 
 Draft vocabularies (`load_hf_pair`):
 * a d2t file beside the draft (`d2t.json`: {"format": "absolute"|"offset", "d2t": [...]}):
@@ -26,14 +26,15 @@ from pathlib import Path
 
 import torch
 
-from models.base import GrowingKv, State, TreeSpan, close_span
+from models.base import ChunkedImport, GrowingKv, State, TreeSpan, close_span, end_import
+from models.kv_import import KvWriter
 from models.pair import ModelPair
 from models.tokenizer import TextTokenizer
 from protos.contract import SEQ, KvTensorSpec
 from sampling import DraftToTargetMap
 
 
-class HFCausalLM(GrowingKv):
+class HFCausalLM(ChunkedImport, GrowingKv):
     def __init__(
         self,
         path: Path | str,
@@ -173,16 +174,22 @@ class HFCausalLM(GrowingKv):
             state.kv = _cache_from([(k[:, :, :length], v[:, :, :length]) for k, v in _layers(state.kv)])
             del state.tokens[length:]
 
-    def export_state(self, state: State) -> list[torch.Tensor]:
-        return [t[0] for pair in _layers(state.kv) for t in pair]  # [heads, seq, head_dim] each
+    def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        live = [t[0] for pair in _layers(state.kv) for t in pair]  # [heads, seq, head_dim] each
+        return live if out is None else [o.copy_(t) for o, t in zip(out, live, strict=True)]
 
-    def import_state(self, tensors: Sequence[torch.Tensor], tokens: Sequence[int]) -> State:
-        if len(tensors) != len(self.kv_layout):
-            raise ValueError(f"tensors: expected {len(self.kv_layout)} KV tensors, got {len(tensors)}")
-        layers = [
-            (tensors[i][None].to(self.device), tensors[i + 1][None].to(self.device)) for i in range(0, len(tensors), 2)
+    def begin_import(self, tokens: Sequence[int], reserve: int) -> State:
+        seq = len(tokens)  # the cache grows by concatenation: nothing to reserve beyond the prompt
+        tensors = [
+            torch.empty(spec.shape_for(seq), dtype=spec.dtype, device=self.device)[None] for spec in self.kv_layout
         ]
-        return State(tokens=list(tokens), kv=_cache_from(layers))
+        writer = KvWriter(self.kv_layout, seq, [t[0].transpose(0, 1) for t in tensors], torch.arange(seq))
+        return State(tokens=list(tokens), kv=tensors, importing=writer)  # kv: the layer tensors until finished
+
+    def finish_import(self, state: State) -> None:
+        end_import(state)
+        tensors = state.kv
+        state.kv = _cache_from([(tensors[i], tensors[i + 1]) for i in range(0, len(tensors), 2)])
 
 
 def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:

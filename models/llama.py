@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.base import GrowingKv, State, check_kv_tensors, close_span, extend_span
+from models.base import ChunkedImport, GrowingKv, State, close_span, end_import, extend_span
+from models.kv_import import KvWriter
 from protos.contract import SEQ, KvTensorSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -429,7 +430,7 @@ class ContiguousBatch:
 # ---------------------------------------------------------------------------------------
 
 
-class LlamaCausalLM(GrowingKv):
+class LlamaCausalLM(ChunkedImport, GrowingKv):
     """A target (all layers) or a layer-skip draft (first `num_layers`, shared weights)."""
 
     def __init__(
@@ -557,19 +558,23 @@ class LlamaCausalLM(GrowingKv):
                 tensor[:, dst_t] = tensor[:, src_t]
         cache.length = len(state.tokens)
 
-    def export_state(self, state: State) -> list[torch.Tensor]:
+    def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         cache, n = state.kv, state.kv.length
-        return [t[:, :n].clone() for pair in zip(cache.keys, cache.values, strict=True) for t in pair]
+        live = [t[:, :n] for pair in zip(cache.keys, cache.values, strict=True) for t in pair]
+        if out is None:
+            return [t.clone() for t in live]
+        return [o.copy_(t) for o, t in zip(out, live, strict=True)]
 
-    def import_state(self, tensors: Sequence[torch.Tensor], tokens: Sequence[int]) -> State:
-        check_kv_tensors(tensors, self.kv_layout, len(tokens))
+    def begin_import(self, tokens: Sequence[int], reserve: int) -> State:
         seq = len(tokens)
-        cache = self._new_cache(seq + 16)
-        for layer in range(self.num_layers):
-            cache.keys[layer][:, :seq] = tensors[2 * layer].to(self.device)
-            cache.values[layer][:, :seq] = tensors[2 * layer + 1].to(self.device)
-        cache.length = seq
-        return State(tokens=list(tokens), kv=cache)
+        cache = self._new_cache(max(reserve, seq + 16))
+        storages = [t.transpose(0, 1) for pair in zip(cache.keys, cache.values, strict=True) for t in pair]
+        writer = KvWriter(self.kv_layout, seq, storages, torch.arange(seq))  # [capacity, Hkv, D] views
+        return State(tokens=list(tokens), kv=cache, importing=writer)
+
+    def finish_import(self, state: State) -> None:
+        end_import(state)
+        state.kv.length = len(state.tokens)
 
 
 def layer_skip_draft(target: LlamaCausalLM, draft_layers: int) -> LlamaCausalLM:

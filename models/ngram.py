@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.base import GrowingKv, State, close_span, extend_span
+from models.base import ChunkedImport, GrowingKv, State, close_span, extend_span
 from models.pair import ModelPair
 from models.tokenizer import ByteTokenizer
 from protos.contract import KvTensorSpec
@@ -77,7 +77,7 @@ def train_tables(tokens: np.ndarray, order: int, vocab: int, output_of: np.ndarr
     return NgramTables(order, vocab, **{k: tuple(v) for k, v in tables.items()})
 
 
-class NgramModel(GrowingKv):
+class NgramModel(ChunkedImport, GrowingKv):
     """Witten-Bell interpolated n-gram over byte histories."""
 
     kv_layout: tuple[KvTensorSpec, ...] = ()
@@ -175,13 +175,14 @@ class NgramModel(GrowingKv):
             raise ValueError(f"length: expected 0..{len(state.tokens)}, got {length}")
         del state.tokens[length:]
 
-    def export_state(self, state: State) -> list[torch.Tensor]:
+    def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         return []  # the token ids are the whole state
 
-    def import_state(self, tensors: Sequence[torch.Tensor], tokens: Sequence[int]) -> State:
-        if tensors:
-            raise ValueError(f"tensors: expected none for an n-gram model, got {len(tensors)}")
-        return State(tokens=list(tokens))
+    def begin_import(self, tokens: Sequence[int], reserve: int) -> State:
+        return State(tokens=list(tokens))  # no KV tensors: nothing to reserve or write
+
+    def finish_import(self, state: State) -> None:
+        pass
 
 
 def _context_code(history: Sequence[int], n: int) -> int:

@@ -8,7 +8,7 @@ from pdspec.config import node_options, node_parser, request_limits
 from pdspec.logs import setup_logging
 from pdspec.serving import serve_until_signal
 from pdspec.tls import ClientTls, add_client_flags
-from prefill_node.engine import PrefillConfig
+from prefill_node.engine import KvTransport, PrefillConfig
 from prefill_node.server import PrefillNodeConfig, run_server
 from protos.proposal import ProposalEncoding
 from sampling.proposal import DraftLaw
@@ -41,6 +41,12 @@ def build_parser():
     )
     parser.add_flag("--kv-stream-threshold-bytes", default=64 << 20, type=int, help="stream a KV larger than this")
     parser.add_flag("--kv-chunk-bytes", default=4 << 20, type=int, help="bytes of KV per DecodeStream chunk")
+    parser.add_flag(
+        "--kv-transport",
+        default="grpc",
+        choices=[t.value for t in KvTransport],
+        help="grpc, or shm: hand the KV over in /dev/shm (same host; the decode node needs --accept-shm-kv)",
+    )
     parser.add_flag(
         "--num-speculative-tokens", default=4, type=int, help="K of a request that does not set it (0 = off)"
     )
@@ -105,6 +111,7 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
         kv_streaming=args.kv_streaming,
         kv_stream_threshold_bytes=args.kv_stream_threshold_bytes,
         kv_chunk_bytes=args.kv_chunk_bytes,
+        kv_transport=KvTransport(args.kv_transport),
         max_speculative_tokens=args.max_speculative_tokens,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_candidates=args.draft_candidates,

@@ -9,6 +9,7 @@ distribution of each (DENSE / POINT_MASS / SPARSE on the wire).
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import uuid
@@ -22,6 +23,7 @@ from models.pair import ModelPair
 from pdspec.stopping import finish_reason
 from protos import pdspec_pb2
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
+from protos.shm_kv import SharedKvSegment
 from protos.validation import (
     Code,
     RequestLimits,
@@ -40,6 +42,13 @@ from sampling.tree import MAX_TREE_NODES
 log = logging.getLogger(__name__)
 
 
+class KvTransport(enum.Enum):
+    """How the KV reaches the decode node."""
+
+    GRPC = "grpc"  # in the Decode message, or over DecodeStream (kv_streaming, threshold)
+    SHM = "shm"  # a /dev/shm segment on the same host (protos/shm_kv.py; decode needs --accept-shm-kv)
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     draft_law: DraftLaw = DraftLaw.POINT_MASS
@@ -51,6 +60,7 @@ class PrefillConfig:
     kv_streaming: bool = False
     kv_stream_threshold_bytes: int = 64 << 20
     kv_chunk_bytes: int = 4 << 20
+    kv_transport: KvTransport = KvTransport.GRPC
     max_speculative_tokens: int = 8  # lowered to the decode peer's when it reports less
     num_speculative_tokens: int = 4  # K of a request that does not say (clamped to the maximum)
     draft_candidates: int = 1  # candidates per draft node of a request that does not say (1: chains)
@@ -98,6 +108,7 @@ class Prefilled:
     wire: WireDecodeRequest | None  # header + payload views; its kv_cache entries are the KV's
     encoding: ProposalEncoding | None
     kv: list[torch.Tensor] = field(default_factory=list)  # the exported KV (the wire's payloads view it)
+    shm: SharedKvSegment | None = None  # --kv-transport shm: the segment `kv` lives in (the caller unlinks it)
 
     @property
     def decode_request(self) -> pdspec_pb2.DecodeRequest | None:
@@ -264,8 +275,21 @@ class PrefillEngine:
         jobs = [jobs[row] for row in going]
         drafted = self._propose(jobs, rows.select(going))
         for job, proposal in zip(jobs, drafted, strict=True):
-            kv = pair.target.export_state(job.state)
-            self._end(job, result=self._decode_request(job, proposal, kv))
+            segment = self._segment(len(job.checked.ids))
+            try:
+                kv = pair.target.export_state(job.state, None if segment is None else segment.tensors)
+                self._end(job, result=self._decode_request(job, proposal, kv, segment))
+            except BaseException:
+                if segment is not None:
+                    segment.unlink()
+                raise
+
+    def _segment(self, prompt_len: int) -> SharedKvSegment | None:
+        """Where a request's KV is exported with --kv-transport shm (None: new host tensors)."""
+        layout = self.pair.target.kv_layout
+        if self.config.kv_transport is not KvTransport.SHM or not layout:
+            return None
+        return SharedKvSegment.create([(spec.dtype, spec.shape_for(prompt_len)) for spec in layout])
 
     def _end(self, job: _Job, *, result: Prefilled | None = None, error: BaseException | None = None) -> None:
         if job.state is not None:
@@ -277,7 +301,9 @@ class PrefillEngine:
                 self._jobs.remove(job)
         job.done.set()
 
-    def _decode_request(self, job: _Job, proposal: Drafted, kv: list[torch.Tensor]) -> Prefilled:
+    def _decode_request(
+        self, job: _Job, proposal: Drafted, kv: list[torch.Tensor], segment: SharedKvSegment | None
+    ) -> Prefilled:
         checked, pair = job.checked, self.pair
         header = pdspec_pb2.DecodeRequest(
             request_id=checked.request_id,
@@ -301,10 +327,12 @@ class PrefillEngine:
             set_tensor=lambda name, tensor: wire.set_tensor(f"proposal.{name}", tensor),
             parents=None if proposal.is_chain else proposal.parents,
         )
-        if not self.streams(kv):
+        if segment is not None:
+            header.kv_shm.CopyFrom(segment.handle)
+        elif not self.streams(kv):
             for i, tensor in enumerate(kv):
                 wire.set_tensor(f"kv_cache[{i}]", tensor)  # a view: no copy until the one join
-        return Prefilled(job.first, job.first_logprob, "", wire, encoding, kv)
+        return Prefilled(job.first, job.first_logprob, "", wire, encoding, kv, segment)
 
     def streams(self, kv: list[torch.Tensor]) -> bool:
         """Whether this KV goes over DecodeStream (see PrefillConfig.kv_streaming)."""

@@ -27,7 +27,7 @@ from pdspec.metrics import NodeMetrics, SummaryLogger
 from pdspec.modelspec import ModelSpec, backends, model_dtype
 from pdspec.serving import NodeShell
 from pdspec.tls import ClientTls, ServerTls, ServiceGuard, channel
-from prefill_node.engine import PrefillConfig, PrefillEngine
+from prefill_node.engine import KvTransport, PrefillConfig, PrefillEngine
 from prefill_node.service import GenerationService, RequestFailed
 from prefill_node.watchdog import StallWatchdog
 from protos import pdspec_pb2, pdspec_pb2_grpc
@@ -198,6 +198,8 @@ def incompatibility(info: pdspec_pb2.NodeInfo, engine: PrefillEngine) -> str:
     contract = engine.contract
     if info.protocol_version != contract.protocol_version:
         return f"protocol version: prefill {contract.protocol_version}, decode {info.protocol_version}"
+    if engine.config.kv_transport is KvTransport.SHM and contract.kv_layout and not info.accepts_shm_kv:
+        return "KV transport: prefill --kv-transport shm, decode started without --accept-shm-kv"
     if info.contract_fingerprint == engine.fingerprint:
         return ""
     mine = {

@@ -19,7 +19,7 @@ import grpc
 
 from pdspec.metrics import NodeMetrics
 from pdspec.stopping import StopStrings
-from prefill_node.engine import Checked, PrefillEngine
+from prefill_node.engine import Checked, Prefilled, PrefillEngine
 from prefill_node.watchdog import StallWatchdog
 from protos import pdspec_pb2
 from protos.status import ended_status, status_code
@@ -157,6 +157,15 @@ class GenerationService:
             raise RequestFailed("UNAVAILABLE", f"request {rid!r}: {self.peer.problem}", rid)
         self.metrics.prompt_tokens.labels("prefill").inc(len(checked.ids))
         prefilled = self.engine.prefill(checked)
+        try:
+            yield from self._relay(request, call, started, record, prefilled)
+        finally:
+            if prefilled.shm is not None:  # the decode node unlinks it once mapped; this covers every other end
+                prefilled.shm.unlink()
+
+    def _relay(self, request, call: Call, started: float, record: _Record, prefilled: Prefilled):
+        """The first token, then the decode node's stream (the KV handed over on the way)."""
+        rid = record.request_id
         detokenizer = self.engine.pair.tokenizer.incremental()
         stops = StopStrings(request.stop)
         stream = _Stream(self.metrics, record, started)
@@ -174,8 +183,8 @@ class GenerationService:
         wire = prefilled.wire
         self.metrics.proposal_bytes.labels("prefill", prefilled.encoding.value).inc(wire.header.proposal.ByteSize())
         self.metrics.kv_bytes.labels("prefill").inc(prefilled.kv_bytes)
-        if len(wire.header.kv_cache) or not prefilled.kv:  # the KV inline: one Decode message
-            relay = self.peer.stub.Decode(wire, timeout=decode_timeout(call))
+        if len(wire.header.kv_cache) or prefilled.shm is not None or not prefilled.kv:
+            relay = self.peer.stub.Decode(wire, timeout=decode_timeout(call))  # the KV inline, or its handle
         else:  # DecodeStream: header + manifest, then the KV in slices
             chunks = stream_chunks(wire, prefilled.kv, self.engine.config.kv_chunk_bytes)
             relay = self.peer.stub.DecodeStream(chunks, timeout=decode_timeout(call))

@@ -138,7 +138,7 @@ class RequestStats(_message.Message):
     def __init__(self, verify_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_rank: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "protocol_version", "contract_fingerprint", "prompt_token_ids", "first_token_id", "sampling", "num_speculative_tokens", "proposal", "kv_cache", "draft_candidates")
+    __slots__ = ("request_id", "protocol_version", "contract_fingerprint", "prompt_token_ids", "first_token_id", "sampling", "num_speculative_tokens", "proposal", "kv_cache", "draft_candidates", "kv_shm")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class DecodeRequest(_message.Message):
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    KV_SHM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     protocol_version: int
     contract_fingerprint: str
@@ -159,7 +160,22 @@ class DecodeRequest(_message.Message):
     proposal: Proposal
     kv_cache: _containers.RepeatedCompositeFieldContainer[TensorPB]
     draft_candidates: int
-    def __init__(self, request_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., kv_cache: _Optional[_Iterable[_Union[TensorPB, _Mapping]]] = ..., draft_candidates: _Optional[int] = ...) -> None: ...
+    kv_shm: SharedKv
+    def __init__(self, request_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., kv_cache: _Optional[_Iterable[_Union[TensorPB, _Mapping]]] = ..., draft_candidates: _Optional[int] = ..., kv_shm: _Optional[_Union[SharedKv, _Mapping]] = ...) -> None: ...
+
+class SharedKv(_message.Message):
+    __slots__ = ("name", "size", "manifest", "offsets", "lengths")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    manifest: _containers.RepeatedCompositeFieldContainer[TensorPB]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorPB, _Mapping]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("request", "kv_manifest", "kv")
@@ -186,7 +202,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("role", "protocol_version", "contract_fingerprint", "target_vocab_size", "draft_vocab_size", "draft_to_target", "max_speculative_tokens", "sampler_backend", "device", "target_model", "draft_model", "draft_law", "proposal_encoding", "version", "max_new_tokens_limit", "max_prompt_tokens", "dtype", "backends", "max_draft_candidates", "max_tree_nodes")
+    __slots__ = ("role", "protocol_version", "contract_fingerprint", "target_vocab_size", "draft_vocab_size", "draft_to_target", "max_speculative_tokens", "sampler_backend", "device", "target_model", "draft_model", "draft_law", "proposal_encoding", "version", "max_new_tokens_limit", "max_prompt_tokens", "dtype", "backends", "max_draft_candidates", "max_tree_nodes", "accepts_shm_kv")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +223,7 @@ class NodeInfo(_message.Message):
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_SHM_KV_FIELD_NUMBER: _ClassVar[int]
     role: str
     protocol_version: int
     contract_fingerprint: str
@@ -227,4 +244,5 @@ class NodeInfo(_message.Message):
     backends: str
     max_draft_candidates: int
     max_tree_nodes: int
-    def __init__(self, role: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., draft_to_target: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., sampler_backend: _Optional[str] = ..., device: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_law: _Optional[str] = ..., proposal_encoding: _Optional[str] = ..., version: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., backends: _Optional[str] = ..., max_draft_candidates: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
+    accepts_shm_kv: bool
+    def __init__(self, role: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., draft_to_target: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., sampler_backend: _Optional[str] = ..., device: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_law: _Optional[str] = ..., proposal_encoding: _Optional[str] = ..., version: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., backends: _Optional[str] = ..., max_draft_candidates: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., accepts_shm_kv: _Optional[bool] = ...) -> None: ...

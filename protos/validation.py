@@ -11,13 +11,15 @@ message size) and the target-space probabilities (bounded by the node's K_max x 
 from __future__ import annotations
 
 import enum
+import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from protos import pdspec_pb2
-from protos.codec import WIRE_DTYPES, TensorDecodeError, decode_tensor, dtype_name
+from protos.codec import TORCH_DTYPES, WIRE_DTYPES, TensorDecodeError, decode_tensor, dtype_name
 from protos.contract import Contract
 from sampling import DraftToTargetMap, SamplingParams
 from sampling.params import InvalidParameter
@@ -27,6 +29,9 @@ Encoding = pdspec_pb2.Proposal.Encoding
 DataType = pdspec_pb2.TensorPB.DataType
 Buffer = bytes | memoryview
 ROW_SUM_TOLERANCE = 1e-3
+# A shared-memory KV segment's name (protos/shm_kv.py makes them): only these files in
+# /dev/shm are ever opened or unlinked on a request's word.
+SHM_NAME = re.compile(r"pdspec-kv-[0-9a-f]{32}")
 
 
 class Code(enum.Enum):
@@ -77,6 +82,7 @@ class Receiver:
     limits: RequestLimits = RequestLimits()
     max_draft_candidates: int = 1  # 1: chains only
     max_tree_nodes: int = MAX_TREE_NODES
+    accept_shm_kv: bool = False  # --accept-shm-kv: DecodeRequest.kv_shm is taken (same host only)
 
     @classmethod
     def from_contract(
@@ -87,10 +93,17 @@ class Receiver:
         *,
         max_draft_candidates: int = 1,
         max_tree_nodes: int = MAX_TREE_NODES,
+        accept_shm_kv: bool = False,
     ) -> Receiver:
         d2t = DraftToTargetMap(torch.tensor(contract.d2t, dtype=torch.int64), contract.target_vocab_size)
         return cls(
-            contract, max_speculative_tokens, d2t, limits or RequestLimits(), max_draft_candidates, max_tree_nodes
+            contract,
+            max_speculative_tokens,
+            d2t,
+            limits or RequestLimits(),
+            max_draft_candidates,
+            max_tree_nodes,
+            accept_shm_kv,
         )
 
 
@@ -126,10 +139,21 @@ def validate_decode_request(
     a TensorPB with no entry uses its own `data`. `kv_manifest` (DecodeStream): the KV
     arrives later in chunks; its declared tensors (data empty) are checked against the
     contract instead, `request.kv_cache` must be empty, and DecodeInput.kv_cache is [].
+    The same holds for a `kv_shm` handle (the KV in a shared-memory segment), which only a
+    receiver with `accept_shm_kv` takes.
     """
     payloads = payloads or {}
     contract = receiver.contract
     precondition = _check_contract(request, contract)
+    if request.HasField("kv_shm") and not receiver.accept_shm_kv:
+        precondition.append(
+            Violation(
+                "kv_shm",
+                "no shared-memory KV (this decode node runs without --accept-shm-kv)",
+                f"segment {request.kv_shm.name[:64]!r}",
+                Code.FAILED_PRECONDITION,
+            )
+        )
     if precondition:
         return precondition  # the rest of the message may not even mean what we think
     found: list[Violation] = []
@@ -159,13 +183,20 @@ def validate_decode_request(
     if proposal.parents and not check_tree(proposal.parents, nodes, k, candidates, receiver.max_tree_nodes, found):
         return found  # the node count sizes the distributions below
     check_ids("proposal.token_ids", proposal.token_ids, vocab, found)
-    if kv_manifest is None:
+    shm = request.kv_shm if request.HasField("kv_shm") else None
+    if kv_manifest is None and shm is None:
         kv_cache = _decode_kv(request.kv_cache, contract, len(request.prompt_token_ids), found, payloads)
     else:
         kv_cache = []
+        elsewhere = "a kv_manifest (streamed)" if kv_manifest is not None else "kv_shm"
         if len(request.kv_cache):
-            found.append(Violation("kv_cache", "0 tensors with a kv_manifest (streamed)", f"{len(request.kv_cache)}"))
-        check_kv_manifest(kv_manifest, contract, len(request.prompt_token_ids), found)
+            found.append(Violation("kv_cache", f"0 tensors with {elsewhere}", f"{len(request.kv_cache)}"))
+        if kv_manifest is None:
+            check_shared_kv(shm, contract, len(request.prompt_token_ids), found)
+        elif shm is not None:
+            found.append(Violation("kv_shm", "absent in a DecodeStream (its chunks carry the KV)", "a segment"))
+        else:
+            check_kv_manifest(kv_manifest, contract, len(request.prompt_token_ids), found)
     draft_probs = _decode_proposal(proposal, nodes, receiver, found, payloads)
     if found:
         return found
@@ -494,13 +525,47 @@ def _decode_kv(
 
 
 def check_kv_manifest(
-    manifest: Sequence[pdspec_pb2.TensorPB], contract: Contract, prompt_len: int, found: list[Violation]
-) -> None:
+    manifest: Sequence[pdspec_pb2.TensorPB],
+    contract: Contract,
+    prompt_len: int,
+    found: list[Violation],
+    name: str = "kv_manifest",
+) -> bool:
     """The streamed KV's declared tensors against the contract (nothing allocated here)."""
     specs = contract.kv_layout
     if len(manifest) != len(specs):
-        found.append(Violation("kv_manifest", f"{len(specs)} tensors", f"{len(manifest)} tensors"))
-        return
+        found.append(Violation(name, f"{len(specs)} tensors", f"{len(manifest)} tensors"))
+        return False
+    ok = True
     for i, (pb, spec) in enumerate(zip(manifest, specs, strict=True)):
         shape = list(spec.shape_for(prompt_len))
-        _check_declared(f"kv_manifest[{i}]", pb, WIRE_DTYPES[spec.dtype], len(spec.shape), shape, found)
+        ok &= _check_declared(f"{name}[{i}]", pb, WIRE_DTYPES[spec.dtype], len(spec.shape), shape, found)
+    return ok
+
+
+def declared_bytes(pb: pdspec_pb2.TensorPB) -> int:
+    """The byte size of a declared (checked) tensor."""
+    return math.prod(pb.shape) * TORCH_DTYPES[pb.data_type].itemsize
+
+
+def check_shared_kv(shm: pdspec_pb2.SharedKv, contract: Contract, prompt_len: int, found: list[Violation]) -> None:
+    """A shared-memory KV handle: its name, its manifest against the contract, and each
+    tensor's range against its declared size and the declared segment size (the segment
+    itself is checked against `size` when it is opened, protos/shm_kv.py)."""
+    if not SHM_NAME.fullmatch(shm.name):
+        found.append(Violation("kv_shm.name", "'pdspec-kv-' and 32 lowercase hex digits", repr(shm.name[:64])))
+    if not check_kv_manifest(shm.manifest, contract, prompt_len, found, "kv_shm.manifest"):
+        return
+    for name in ("offsets", "lengths"):
+        if len(getattr(shm, name)) != len(shm.manifest):
+            found.append(
+                Violation(f"kv_shm.{name}", f"{len(shm.manifest)} (one per tensor)", f"{len(getattr(shm, name))}")
+            )
+            return
+    for i, (pb, offset, length) in enumerate(zip(shm.manifest, shm.offsets, shm.lengths, strict=True)):
+        size = declared_bytes(pb)
+        if length != size:
+            found.append(Violation(f"kv_shm.lengths[{i}]", f"{size} bytes (kv_shm.manifest[{i}])", f"{length}"))
+        elif offset + length > shm.size:
+            where = f"[{offset}, {offset + length})"
+            found.append(Violation(f"kv_shm.offsets[{i}]", f"a range inside kv_shm.size = {shm.size} bytes", where))

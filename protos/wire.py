@@ -128,6 +128,9 @@ class WireDecodeRequest:
         top.CopyFrom(header)
         top.ClearField("proposal")
         top.ClearField("kv_cache")
+        late = [f.name for f, _ in header.ListFields() if f.number > 9]  # written after kv_cache
+        for name in late:
+            top.ClearField(name)
         parts: list[Buffer] = [top.SerializeToString()]
         if header.HasField("proposal"):
             proposal = header.proposal
@@ -143,6 +146,13 @@ class WireDecodeRequest:
             parts += _len_field(8, [head.SerializeToString(), *inner])
         for i, pb in enumerate(header.kv_cache):
             parts += _len_field(9, _tensor_parts(pb, self.payloads.get(f"kv_cache[{i}]")))
+        if late:  # so the bytes stay in field-number order
+            tail = pdspec_pb2.DecodeRequest()
+            tail.CopyFrom(header)
+            for f, _ in tail.ListFields():
+                if f.number <= 9:
+                    tail.ClearField(f.name)
+            parts.append(tail.SerializeToString())
         return parts
 
     def SerializeToString(self) -> bytes:

@@ -123,6 +123,22 @@ def test_compose_tls_variant_sets_only_real_flags():
     )
 
 
+def test_compose_shm_variant_shares_dev_shm_and_turns_both_flags_on(monkeypatch):
+    """Both containers in one IPC namespace (one /dev/shm), and the nodes that the merged
+    environment configures really hand the KV over in shared memory."""
+    files = ["-f", str(DEPLOY / "docker-compose.yml"), "-f", str(DEPLOY / "docker-compose.shm.yml")]
+    result = subprocess.run([compose(), *files, "config"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    assert services["decode"]["ipc"] == "shareable" and services["prefill"]["ipc"] == "service:decode"
+    for name in ("decode", "prefill"):
+        for variable, value in services[name]["environment"].items():
+            if variable.startswith("PDSPEC_") and variable != "PDSPEC_HEALTH_ADDR":
+                monkeypatch.setenv(variable, str(value))
+    assert decode_args([]).accept_shm_kv
+    assert prefill_args([]).engine.kv_transport.value == "shm"
+
+
 def test_make_certs_script_writes_a_chain_that_verifies(tmp_path):
     if shutil.which("openssl") is None:
         if os.environ.get("CI"):

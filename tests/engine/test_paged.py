@@ -138,3 +138,42 @@ def test_graph_bucket_padding_changes_no_real_row(models):
     assert touched.abs().sum() > 0 and not torch.equal(paged.pool.kv[:, :, : paged.pool.block_size], scratch_before)
     for _, sp in pairs:
         paged.release(sp)
+
+
+def test_chunked_import_at_any_byte_boundaries_equals_the_export(models):
+    """A KV streamed in slices that start and end anywhere (inside an element, a row, a head)
+    lands in the pool and the contiguous cache exactly as exported; release mid-import frees it."""
+    contiguous, paged = models
+    prompt = ids(37, 4, contiguous.vocab_size)  # 3 blocks, the last one partial
+    exported = contiguous.export_state(contiguous.prefill(prompt)[1])
+    sizes = [t.numel() * t.element_size() for t in exported]
+    cuts = torch.Generator().manual_seed(7)
+    for model in (paged, contiguous):
+        state = model.begin_import(prompt, len(prompt) + 9)
+        for index, tensor in enumerate(exported):
+            data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+            offset = 0
+            while offset < sizes[index]:  # 1..150 bytes: float32 elements and 64-byte rows split
+                step = int(torch.randint(1, 151, (), generator=cuts))
+                model.import_chunk(state, index, offset, data[offset : offset + step])
+                offset += len(data[offset : offset + step])
+        with pytest.raises(ValueError, match=r"data: expected at most 0 bytes at offset \d+ of KV tensor 0"):
+            model.import_chunk(state, 0, sizes[0], b"x")  # the import checks its ranges itself
+        with pytest.raises(ValueError, match=r"index: expected a KV tensor in 0\.\.3, got 4"):
+            model.import_chunk(state, 4, 0, b"x")
+        model.finish_import(state)
+        for got, want in zip(model.export_state(state), exported, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        into = [torch.empty_like(t) for t in exported]  # an export into given memory (a shm segment's)
+        assert all(a is b for a, b in zip(model.export_state(state, into), into, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(into, exported, strict=True))
+        torch.testing.assert_close(
+            model.extend(state, [3]), contiguous.extend(contiguous.import_state(exported, prompt), [3])
+        )
+        model.release(state)
+    assert paged.pool.used_blocks == 0
+    half = paged.begin_import(prompt, len(prompt))  # a stream cut off half way
+    paged.import_chunk(half, 0, 0, exported[0])
+    assert paged.pool.used_blocks == paged.pool.blocks_for(len(prompt))
+    paged.release(half)
+    assert paged.pool.used_blocks == 0

@@ -88,7 +88,7 @@ ADDED = {
     "GenerateRequest": {"stop": 6, "draft_candidates": 7},
     "Proposal": {"parents": 6},
     "RequestStats": {"accepted_per_rank": 5},
-    "DecodeRequest": {"draft_candidates": 10},
+    "DecodeRequest": {"draft_candidates": 10, "kv_shm": 20},
     "GenerateResponse": {"logprobs": 7},
     "TokenLogprob": {"logprob": 1, "top_token_ids": 2, "top_logprobs": 3},
     "NodeInfo": {
@@ -101,7 +101,9 @@ ADDED = {
         "backends": 18,
         "max_draft_candidates": 19,
         "max_tree_nodes": 20,
+        "accepts_shm_kv": 30,
     },
+    "SharedKv": {"name": 1, "size": 2, "manifest": 3, "offsets": 4, "lengths": 5},
 }
 
 

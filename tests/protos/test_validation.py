@@ -195,6 +195,53 @@ def test_kv_cache_count_dtype_and_shape():
     only(request, "kv_cache[1].shape", contains="expected [2, 5, 4], got [2, 6, 4]")
 
 
+def shared(request: pdspec_pb2.DecodeRequest) -> pdspec_pb2.DecodeRequest:
+    """The request with its KV moved to a shared-memory handle (two tensors of 80 bytes)."""
+    for pb in request.kv_cache:
+        request.kv_shm.manifest.add(data_type=pb.data_type, shape=pb.shape)
+    request.kv_shm.offsets[:] = [0, 96]
+    request.kv_shm.lengths[:] = [len(pb.data) for pb in request.kv_cache]
+    request.kv_shm.name, request.kv_shm.size = "pdspec-kv-" + "0" * 32, 176
+    request.ClearField("kv_cache")
+    return request
+
+
+def test_shared_kv_handle():
+    accepting = validation.Receiver.from_contract(RECEIVER.contract, K_MAX, accept_shm_kv=True)
+    result = validate_decode_request(shared(valid_request()), accepting)
+    assert isinstance(result, DecodeInput) and result.kv_cache == []
+    only(shared(valid_request()), "kv_shm", Code.FAILED_PRECONDITION, "without --accept-shm-kv")
+
+    def refused(request, field, contains):
+        found = {v.field: v for v in validate_decode_request(request, accepting)}
+        assert field in found and contains in found[field].description, found
+
+    for name in ("../etc/passwd", "pdspec-kv-" + "A" * 32, "pdspec-kv-1"):
+        request = shared(valid_request())
+        request.kv_shm.name = name
+        refused(request, "kv_shm.name", "32 lowercase hex digits")
+    request = shared(valid_request())
+    request.kv_shm.lengths[1] = 81
+    refused(request, "kv_shm.lengths[1]", "expected 80 bytes (kv_shm.manifest[1]), got 81")
+    request = shared(valid_request())
+    request.kv_shm.size = 175
+    refused(request, "kv_shm.offsets[1]", "inside kv_shm.size = 175 bytes, got [96, 176)")
+    request = shared(valid_request())
+    request.kv_shm.offsets[1] = 2**64 - 1  # past any segment, however it wraps
+    refused(request, "kv_shm.offsets[1]", "inside kv_shm.size")
+    request = shared(valid_request())
+    del request.kv_shm.offsets[1]
+    refused(request, "kv_shm.offsets", "expected 2 (one per tensor), got 1")
+    request = shared(valid_request())
+    request.kv_shm.manifest[0].shape[1] = 6
+    refused(request, "kv_shm.manifest[0].shape", "expected [2, 5, 4], got [2, 6, 4]")
+    request = shared(valid_request())
+    request.kv_cache.add()
+    refused(request, "kv_cache", "0 tensors with kv_shm")
+    streamed = validate_decode_request(shared(valid_request()), accepting, kv_manifest=[])
+    assert "kv_shm" in {v.field for v in streamed}  # a DecodeStream brings its KV in chunks
+
+
 @pytest.mark.parametrize(
     ("field", "value", "contains"),
     [
