@@ -41,8 +41,7 @@ up-local: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
 
-# Statistical end-to-end tests left out of make test for its time budget: dense-law trees, K = 1
-# chains, and the point-mass law of the K = 4 and transformer tests (tests/sampling covers both laws).
+# Statistical end-to-end tests too long for every run (multi-draft trees with dense laws).
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 

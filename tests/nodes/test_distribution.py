@@ -44,7 +44,6 @@ def joint_pvalue(outputs, joint) -> float:
     return float(stats.chisquare(observed, expected).pvalue)
 
 
-@pytest.mark.slow  # make test-slow: K = 1 chains are covered by tests/sampling and the K = 4 test below
 @pytest.mark.parametrize("law", list(DraftLaw), ids=lambda law: law.value)
 def test_joint_distribution_is_the_targets_k1(pair, joint, law):
     outputs = generate_many(pair, PROMPT, range(SAMPLES), k=1, law=law, max_new_tokens=3)
@@ -52,10 +51,7 @@ def test_joint_distribution_is_the_targets_k1(pair, joint, law):
     assert joint_pvalue(outputs, joint) > ALPHA
 
 
-# The point-mass law runs under make test-slow (test budget); make test keeps the stochastic law.
-@pytest.mark.parametrize(
-    "law", [DraftLaw.STOCHASTIC, pytest.param(DraftLaw.POINT_MASS, marks=pytest.mark.slow)], ids=lambda law: law.value
-)
+@pytest.mark.parametrize("law", list(DraftLaw), ids=lambda law: law.value)
 def test_joint_distribution_is_the_targets_k4_and_a_biased_verifier_is_caught(pair, joint, law):
     """The same 20,000 prefilled requests verified by the real sampler and by the biased one."""
     real, biased = generate_many_verifiers(
