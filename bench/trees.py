@@ -94,32 +94,23 @@ def run_request(pair, ids, *, k, candidates, law, temperature, seed, new_tokens,
 
 def measure(pair, prompts, *, k, candidates, law, temperature, new_tokens, device) -> dict:
     """The second of two identical runs: the first captures the CUDA graphs of its shapes."""
+
+    def run(i: int, ids: list[int]) -> dict:
+        return run_request(
+            pair,
+            ids,
+            k=k,
+            candidates=candidates,
+            law=law,
+            temperature=temperature,
+            seed=i,
+            new_tokens=new_tokens,
+            device=device,
+        )
+
     for i, ids in enumerate(prompts[:1] if device == "cpu" else prompts):
-        run_request(
-            pair,
-            ids,
-            k=k,
-            candidates=candidates,
-            law=law,
-            temperature=temperature,
-            seed=i,
-            new_tokens=new_tokens,
-            device=device,
-        )
-    runs = [
-        run_request(
-            pair,
-            ids,
-            k=k,
-            candidates=candidates,
-            law=law,
-            temperature=temperature,
-            seed=i,
-            new_tokens=new_tokens,
-            device=device,
-        )
-        for i, ids in enumerate(prompts)
-    ]
+        run(i, ids)
+    runs = [run(i, ids) for i, ids in enumerate(prompts)]
     emitted = sum(len(r["tokens"]) - 1 for r in runs)  # the decode node's tokens
     seconds = sum(r["seconds"] for r in runs)
     stats = [r["stats"] for r in runs if r["stats"] is not None]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
-from models.base import ChunkedImport, State, close_span, end_import, extend_span
+from models.base import ChunkedImport, State, batch_positions, close_span, end_import, live_rows
 from models.kv_import import KvWriter
 from models.llama import LlamaCausalLM
 from models.pair import ModelPair
@@ -124,17 +124,10 @@ class PagedLlamaLM(ChunkedImport):
         seqs = [s.kv for s in states]
         for seq, n in zip(seqs, lengths, strict=True):
             self.pool.reserve(seq, seq.length + n)  # within the admission reservation: takes nothing new
-        spans = [
-            extend_span(s, row, None if parents is None else parents[r])
-            for r, (s, row) in enumerate(zip(states, ids, strict=True))
-        ]
-        tokens = torch.tensor([t for row in ids for t in row], dtype=torch.int64)
-        positions = torch.tensor([p for _, row in spans for p in row], dtype=torch.int64)
-        seq_lens = torch.tensor([max(row) + 1 for _, row in spans for _ in row], dtype=torch.int64)
         window = self.config.sliding_window
-        masks = None
-        if parents is not None:
-            masks = [s.tree.mask(start, window, "cpu") for s, (start, _) in zip(states, spans, strict=True)]
+        meta = batch_positions(states, ids, parents, window)
+        tokens = torch.tensor([t for row in ids for t in row], dtype=torch.int64)
+        positions, seq_lens, masks = meta.positions, meta.seq_lens, meta.masks
         uniform = len(set(lengths)) == 1 and lengths[0] <= MAX_GRAPH_QUERIES and len(seqs) <= MAX_GRAPH_ROWS
         with torch.inference_mode():
             if self.graphs and uniform and not last_only:
@@ -221,16 +214,10 @@ class PagedLlamaLM(ChunkedImport):
 
     def extend_batch(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """All rows in ONE forward (flattened ragged tokens); rows with no new ids are left out."""
-        if len(states) != len(ids):
-            raise ValueError(f"ids: expected {len(states)} rows (one per state), got {len(ids)}")
-        out = [torch.empty(0, self.vocab_size, device=self.device) for _ in states]
-        live = [i for i, row in enumerate(ids) if len(row)]
-        if not live:
-            return out
-        logits = self._run([states[i] for i in live], [list(ids[i]) for i in live])
-        for i, part in zip(live, logits.split([len(ids[i]) for i in live]), strict=True):
-            out[i] = part
-        return out
+        return live_rows(lambda s, rows, _: self._run(s, rows), states, ids, None, self._empty())
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, self.vocab_size, device=self.device)
 
     def empty_state(self) -> State:
         return State(tokens=[], kv=PagedSeq())
@@ -250,17 +237,7 @@ class PagedLlamaLM(ChunkedImport):
     def extend_tree(
         self, states: Sequence[State], ids: Sequence[Sequence[int]], parents: Sequence[Sequence[int]]
     ) -> list[torch.Tensor]:
-        if not len(states) == len(ids) == len(parents):
-            raise ValueError(f"ids/parents: expected {len(states)} rows each, got {len(ids)} and {len(parents)}")
-        out = [torch.empty(0, self.vocab_size, device=self.device) for _ in states]
-        live = [i for i, row in enumerate(ids) if len(row)]
-        if live:
-            logits = self._run(
-                [states[i] for i in live], [list(ids[i]) for i in live], parents=[parents[i] for i in live]
-            )
-            for i, part in zip(live, logits.split([len(ids[i]) for i in live]), strict=True):
-                out[i] = part
-        return out
+        return live_rows(lambda s, rows, p: self._run(s, rows, parents=p), states, ids, parents, self._empty())
 
     def accept_tree(self, state: State, keep: Sequence[int]) -> None:
         src, dst = close_span(state, keep)

@@ -93,6 +93,47 @@ def extend_span(state: State, ids: Sequence[int], parents: Sequence[int] | None)
     return start, [state.tree.base + d for d in state.tree.depths[start:]]
 
 
+@dataclass(frozen=True)
+class BatchPositions:
+    """Host tensors of one ragged forward's new tokens (plain rows or tree tokens)."""
+
+    positions: torch.Tensor  # [N] int64: RoPE positions (a tree token's: base + its depth)
+    seq_lens: torch.Tensor  # [N] int64: each token's row length (the longest path through its row)
+    masks: list[torch.Tensor] | None  # per row [n_r, live_r] bool tree masks, None for plain rows
+
+
+def batch_positions(
+    states: Sequence[State], ids: Sequence[Sequence[int]], parents: Sequence[Sequence[int]] | None, window: int | None
+) -> BatchPositions:
+    """The bookkeeping every Llama store shares: opens or grows each row's tree (extend_span)
+    and returns positions, dynamic-NTK row lengths and, for trees, the attention masks."""
+    spans = [
+        extend_span(state, row, None if parents is None else parents[r])
+        for r, (state, row) in enumerate(zip(states, ids, strict=True))
+    ]
+    positions = torch.tensor([p for _, row in spans for p in row], dtype=torch.int64)
+    seq_lens = torch.tensor([max(row) + 1 for _, row in spans for _ in row], dtype=torch.int64)
+    masks = None
+    if parents is not None:
+        masks = [state.tree.mask(start, window, "cpu") for state, (start, _) in zip(states, spans, strict=True)]
+    return BatchPositions(positions, seq_lens, masks)
+
+
+def live_rows(run, states: Sequence[State], ids: Sequence[Sequence[int]], parents, empty) -> list[torch.Tensor]:
+    """`run(states, rows, parents)` over the rows that bring new ids (one forward), its logits
+    split back per row; `empty` (a [0, V] tensor) for the others."""
+    if len(ids) != len(states) or (parents is not None and len(parents) != len(states)):
+        raise ValueError(f"ids/parents: expected {len(states)} rows each (one per state)")
+    out = [empty for _ in states]
+    live = [i for i, row in enumerate(ids) if len(row)]
+    if live:
+        rows = [list(ids[i]) for i in live]
+        logits = run([states[i] for i in live], rows, None if parents is None else [parents[i] for i in live])
+        for i, part in zip(live, logits.split([len(row) for row in rows]), strict=True):
+            out[i] = part
+    return out
+
+
 def close_span(state: State, keep: Sequence[int]) -> tuple[list[int], list[int]]:
     """Keep the path `keep` of the open tree as history, drop the rest. Returns the
     (source, destination) slots whose KV moves (only those that change place)."""

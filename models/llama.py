@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.base import ChunkedImport, GrowingKv, State, close_span, end_import, extend_span
+from models.base import ChunkedImport, GrowingKv, State, batch_positions, close_span, end_import, live_rows
 from models.kv_import import KvWriter
 from protos.contract import SEQ, KvTensorSpec
 
@@ -473,22 +473,15 @@ class LlamaCausalLM(ChunkedImport, GrowingKv):
         parents: Sequence[Sequence[int]] | None = None,
     ):
         lengths = [len(row) for row in ids]
-        spans = [
-            extend_span(s, row, None if parents is None else parents[r])
-            for r, (s, row) in enumerate(zip(states, ids, strict=True))
-        ]
+        window = self.config.sliding_window
+        meta = batch_positions(states, ids, parents, window)
         tokens = torch.tensor([t for row in ids for t in row], dtype=torch.int64, device=self.device)
-        positions = torch.tensor([p for _, row in spans for p in row], dtype=torch.int64, device=self.device)
-        # Dynamic-NTK RoPE reads each token's row length: the longest path through the row.
-        seq_lens = torch.tensor([max(row) + 1 for _, row in spans for _ in row], dtype=torch.int64, device=self.device)
+        positions, seq_lens = meta.positions.to(self.device), meta.seq_lens.to(self.device)
         logits_at = None
         if last_only:
             ends = torch.tensor(lengths).cumsum(0) - 1
             logits_at = ends.to(self.device)
-        window = self.config.sliding_window
-        masks = None
-        if parents is not None:
-            masks = [s.tree.mask(start, window, self.device) for s, (start, _) in zip(states, spans, strict=True)]
+        masks = None if meta.masks is None else [m.to(self.device) for m in meta.masks]
         batch = ContiguousBatch([s.kv for s in states], lengths, window, masks)
         with torch.inference_mode():
             logits = self.module(
@@ -538,16 +531,9 @@ class LlamaCausalLM(ChunkedImport, GrowingKv):
     def extend_tree(
         self, states: Sequence[State], ids: Sequence[Sequence[int]], parents: Sequence[Sequence[int]]
     ) -> list[torch.Tensor]:
-        rows = [list(row) for row in ids]
-        if not len(states) == len(rows) == len(parents):
-            raise ValueError(f"ids/parents: expected {len(states)} rows each, got {len(rows)} and {len(parents)}")
-        live = [i for i, row in enumerate(rows) if row]
-        out = [torch.empty(0, self.vocab_size) for _ in rows]
-        if live:
-            logits = self._run([states[i] for i in live], [rows[i] for i in live], parents=[parents[i] for i in live])
-            for i, part in zip(live, logits.split([len(rows[i]) for i in live]), strict=True):
-                out[i] = part
-        return out
+        return live_rows(
+            lambda s, rows, p: self._run(s, rows, parents=p), states, ids, parents, torch.empty(0, self.vocab_size)
+        )
 
     def accept_tree(self, state: State, keep: Sequence[int]) -> None:
         src, dst = close_span(state, keep)
