@@ -266,6 +266,8 @@ def kv_handoff(tokens: list[int], chunk_bytes: int, repeat: int) -> tuple[list[d
                         segment = SharedKvSegment.create([(t.dtype, t.shape) for t in kv])
                         for view, tensor in zip(segment.tensors, kv, strict=True):
                             view.copy_(tensor)
+                        del view
+                        segment.close()
                         header.kv_shm.CopyFrom(segment.handle)
                     stub.GetInfo(pdspec_pb2.InfoRequest(), timeout=30)  # resets the decode side's sampler
                     sampler.reset()

@@ -108,7 +108,7 @@ class Prefilled:
     wire: WireDecodeRequest | None  # header + payload views; its kv_cache entries are the KV's
     encoding: ProposalEncoding | None
     kv: list[torch.Tensor] = field(default_factory=list)  # the exported KV (the wire's payloads view it)
-    shm: SharedKvSegment | None = None  # --kv-transport shm: the segment `kv` lives in (the caller unlinks it)
+    shm: SharedKvSegment | None = None  # --kv-transport shm: the KV's segment instead (the caller unlinks it)
 
     @property
     def decode_request(self) -> pdspec_pb2.DecodeRequest | None:
@@ -117,7 +117,7 @@ class Prefilled:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv)
+        return sum(t.numel() * t.element_size() for t in self.kv) + (sum(self.shm.handle.lengths) if self.shm else 0)
 
 
 class PrefillEngine:
@@ -277,7 +277,12 @@ class PrefillEngine:
         for job, proposal in zip(jobs, drafted, strict=True):
             segment = self._segment(len(job.checked.ids))
             try:
-                kv = pair.target.export_state(job.state, None if segment is None else segment.tensors)
+                if segment is None:
+                    kv = pair.target.export_state(job.state)
+                else:
+                    pair.target.export_state(job.state, segment.tensors)
+                    segment.close()  # the KV is in the file: nothing of it stays mapped on this node
+                    kv = []
                 self._end(job, result=self._decode_request(job, proposal, kv, segment))
             except BaseException:
                 if segment is not None:

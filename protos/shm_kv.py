@@ -42,12 +42,15 @@ class SharedKvError(Exception):
 
 class SharedKvSegment:
     """The prefill side: a new segment sized for one request's KV and mapped here; the export
-    writes straight into `tensors` (views of it), so the segment is the KV, not a copy of it."""
+    writes straight into `tensors` (views of it), so the segment is the KV, not a copy of it.
+    `close()` then drops this node's mapping: the bytes stay in the file, and its pages go once
+    the decode node has imported and unlinked it."""
 
-    def __init__(self, handle: pdspec_pb2.SharedKv, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, handle: pdspec_pb2.SharedKv, mapping: mmap.mmap, tensors: list[torch.Tensor]) -> None:
         self.handle = handle
-        self.tensors = tensors  # they keep the mapping open; it closes when they are dropped
         self.path = SHM_DIR / handle.name
+        self.tensors = tensors
+        self._mapping = mapping
 
     @classmethod
     def create(cls, tensors: Sequence[tuple[torch.dtype, Sequence[int]]]) -> SharedKvSegment:
@@ -74,7 +77,12 @@ class SharedKvSegment:
             torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape), offset=start).view(*shape)
             for (dtype, shape), start in zip(tensors, handle.offsets, strict=True)
         ]
-        return cls(handle, views)
+        return cls(handle, mapping, views)
+
+    def close(self) -> None:
+        """Unmap (every view of `tensors` must be gone: BufferError otherwise)."""
+        self.tensors = []
+        self._mapping.close()
 
     def unlink(self) -> None:
         """Remove the name (the decode node may have done so already); the pages go once no

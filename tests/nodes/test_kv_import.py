@@ -104,6 +104,7 @@ def test_streamed_and_shared_kv_give_the_tokens_of_the_one_message(llama_pair, s
                 outs[name] = client.generate(prompt_token_ids=PROMPT, greedy=True, max_new_tokens=12).token_ids
             kv[name] = decode.metrics.kv_bytes.labels("decode")._value.get() - before
             blocks_back(decode)
+            assert "pdspec-kv-" not in Path("/proc/self/maps").read_text()  # neither node maps a segment now
     assert outs["DecodeStream"] == outs["one message"] == outs["shm"] and len(outs["shm"]) == 12
     assert set(kv.values()) == {llama_pair.contract().kv_bytes(len(PROMPT))}
 
@@ -131,6 +132,8 @@ def _segment_holding(kv: list[torch.Tensor]) -> shm_kv.SharedKvSegment:
     segment = shm_kv.SharedKvSegment.create([(t.dtype, t.shape) for t in kv])
     for view, tensor in zip(segment.tensors, kv, strict=True):
         view.copy_(tensor)
+    del view
+    segment.close()
     return segment
 
 
