@@ -13,6 +13,7 @@ import enum
 import logging
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -196,25 +197,32 @@ class PrefillEngine:
         )
 
     def prefill(self, checked: Checked) -> Prefilled:
-        """Run a checked request up to the DecodeRequest (or to its end).
+        """Run a checked request up to the DecodeRequest (or to its end)."""
+        return self.prefill_many([checked])[0]
 
-        Concurrent callers are batched: each queues its job, and whichever caller holds the
+    def prefill_many(self, checked: Sequence[Checked]) -> list[Prefilled]:
+        """Run checked requests up to their DecodeRequests (or to their ends), in order.
+
+        Concurrent callers are batched: each queues its jobs, and whichever caller holds the
         model lock runs one step for every queued job at once (one target forward over the
         ragged prompts, chunked so a step takes at most `max_prefill_tokens` prompt tokens,
-        then the first tokens, the drafts and the KV exports of the finished ones)."""
-        job = _Job(checked, RequestRng(checked.params.seed, stream="prefill"))
+        then the first tokens, the drafts and the KV exports of the finished ones). A failed
+        job fails the call after every job has ended (the first error is raised)."""
+        jobs = [_Job(c, RequestRng(c.params.seed, stream="prefill")) for c in checked]
         with self._jobs_lock:
-            self._jobs.append(job)
-        while not job.done.is_set():
-            if self._lock.acquire(timeout=0.002):
-                try:
-                    if not job.done.is_set():
-                        self._step()
-                finally:
-                    self._lock.release()
-        if job.error is not None:
-            raise job.error
-        return job.result
+            self._jobs.extend(jobs)
+        for job in jobs:
+            while not job.done.is_set():
+                if self._lock.acquire(timeout=0.002):
+                    try:
+                        if not job.done.is_set():
+                            self._step()
+                    finally:
+                        self._lock.release()
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
+        return [job.result for job in jobs]
 
     def _step(self) -> None:
         target = self.pair.target

@@ -166,18 +166,22 @@ def generate_many_verifiers(
         for sampler, tree_sampler in zip(samplers, tree_samplers, strict=True)
     ]
     receiver = Receiver.from_contract(pair.contract(), max(k, 1), max_draft_candidates=candidates)
-    firsts, handles = [], []
-    for seed in seeds:
-        request = pdspec_pb2.GenerateRequest(
-            request_id=str(seed),
-            prompt_token_ids=list(prompt),
-            num_speculative_tokens=k,
-            draft_candidates=candidates,
-            sampling=pdspec_pb2.SamplingParams(
-                do_sample=True, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens
-            ),
+    requests = [
+        prefill.check(
+            pdspec_pb2.GenerateRequest(
+                request_id=str(seed),
+                prompt_token_ids=list(prompt),
+                num_speculative_tokens=k,
+                draft_candidates=candidates,
+                sampling=pdspec_pb2.SamplingParams(
+                    do_sample=True, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens
+                ),
+            )
         )
-        prefilled = prefill.prefill(prefill.check(request))
+        for seed in seeds
+    ]
+    firsts, handles = [], []
+    for prefilled in prefill.prefill_many(requests):  # batched like concurrent requests: seeded, so the same tokens
         firsts.append(prefilled.first_token)
         if prefilled.finish_reason:
             handles.append([None] * len(decodes))
