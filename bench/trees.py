@@ -198,7 +198,7 @@ def main() -> None:
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     pair = load_pair(target_model=args.target_model, draft_layers=args.draft_layers, dtype=dtype, device=args.device)
-    pair = paged_pair(pair, args.kv_cache_bytes, graphs=args.device.startswith("cuda"))
+    pair = paged_pair(pair, args.kv_cache_bytes, eager=not args.device.startswith("cuda"))
     prompts = [pair.tokenizer.encode(p) for p in PROMPTS[: args.prompts]]
     results, table = [], []
     for temperature in args.temperatures:

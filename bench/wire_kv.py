@@ -118,7 +118,7 @@ def _serve(conn, max_tokens: int) -> None:
         dtype=DTYPE,
         device=torch.device("cpu"),
     )
-    target = PagedLlamaLM(shape, pool, graphs=False)
+    target = PagedLlamaLM(shape, pool, eager=True)
     sampler = RssSampler()  # after the pool: its pages are the KV itself, not extra
     sampler.start()
 

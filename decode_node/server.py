@@ -438,7 +438,9 @@ def run_server(
     engine_factory: Callable[..., DecodeEngine] = DecodeEngine,
 ) -> Iterator[RunningDecodeNode]:
     """Load the models, start serving; NOT_SERVING is reported until both are done."""
-    pair = paged_pair((pair_loader or config.models.load)(), config.models.kv_budget())
+    pair = paged_pair(
+        (pair_loader or config.models.load)(), config.models.kv_budget(), eager=config.models.enforce_eager
+    )
     contract = pair.contract()
     trees = pair.target.supports_trees and pair.draft.supports_trees and config.engine.max_draft_candidates > 1
     rows = max(config.engine.max_speculative_tokens, config.engine.max_tree_nodes if trees else 0)  # proposal rows

@@ -18,7 +18,7 @@ import torch
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
 from models.base import ChunkedImport, State, batch_positions, close_span, end_import, live_rows
 from models.kv_import import KvWriter
-from models.llama import LlamaCausalLM
+from models.llama import EAGER, LlamaCausalLM, compiled_pointwise
 from models.pair import ModelPair
 from sampling.tree import MAX_TREE_NODES
 
@@ -61,10 +61,12 @@ class _Graph:
 
 
 class PagedLlamaLM(ChunkedImport):
-    def __init__(self, model: LlamaCausalLM, pool: KvPool, *, graphs: bool = True) -> None:
+    def __init__(self, model: LlamaCausalLM, pool: KvPool, *, eager: bool = False) -> None:
         self.model = model
         self.pool = pool
-        self.graphs = graphs and pool.kv.device.type == "cuda"  # hipGraphs on ROCm: same API
+        self.graphs = not eager and pool.kv.device.type == "cuda"  # hipGraphs on ROCm: same API
+        # Triton kernels for the elementwise ops on a GPU; the CPU (and --enforce-eager) runs them eagerly
+        self.ops = compiled_pointwise() if self.graphs else EAGER
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.module, self.config, self.num_layers = model.module, model.config, model.num_layers
@@ -79,7 +81,7 @@ class PagedLlamaLM(ChunkedImport):
 
     @classmethod
     def with_pool(
-        cls, model: LlamaCausalLM, kv_bytes: int, block_size: int = BLOCK_SIZE, *, graphs: bool = True
+        cls, model: LlamaCausalLM, kv_bytes: int, block_size: int = BLOCK_SIZE, *, eager: bool = False
     ) -> PagedLlamaLM:
         c = model.config
         per_block = KvPool.bytes_per_block(model.num_layers, c.num_kv_heads, c.head_dim, block_size, model.dtype)
@@ -95,7 +97,7 @@ class PagedLlamaLM(ChunkedImport):
             dtype=model.dtype,
             device=model.device,
         )
-        return cls(model, pool, graphs=graphs)
+        return cls(model, pool, eager=eager)
 
     # -- reservations ---------------------------------------------------------------------
     def capacity_tokens(self) -> int:
@@ -138,10 +140,11 @@ class PagedLlamaLM(ChunkedImport):
                 logits = self.module(
                     tokens.to(self.device),
                     positions.to(self.device),
-                    PagedBatch(self.pool, meta),
+                    PagedBatch(self.pool, meta, dense=len(set(lengths)) == 1),
                     logits_at=logits_at,
                     num_layers=self.num_layers,
                     seq_lens=seq_lens.to(self.device),
+                    ops=self.ops,
                 ).float()
         for seq, n in zip(seqs, lengths, strict=True):
             seq.length += n
@@ -180,9 +183,10 @@ class PagedLlamaLM(ChunkedImport):
             return self.module(
                 graph.tokens,
                 graph.positions,
-                PagedBatch(self.pool, graph.meta),
+                PagedBatch(self.pool, graph.meta, dense=True),
                 num_layers=self.num_layers,
                 seq_lens=graph.seq_lens,
+                ops=self.ops,
             )
 
         with _CAPTURE_LOCK:  # one capture at a time per process (two nodes in a test share one)
@@ -195,6 +199,22 @@ class PagedLlamaLM(ChunkedImport):
             with torch.cuda.graph(graph.graph, pool=self._graph_pool, capture_error_mode="thread_local"):
                 graph.logits = forward()
         return graph
+
+    def warm_up(self) -> None:
+        """Compile the elementwise kernels (a one-token and a two-token forward: dynamic
+        sizes specialise 1) before the node serves, so that no request waits for inductor
+        and no compile runs while another thread captures a graph. The blocks it writes
+        are released at once."""
+        if self.ops is EAGER:
+            return
+        state, computed = self.empty_state(), self.model.positions_computed
+        self.reserve(state, 3)
+        try:
+            self._run([state], [[0, 0]], last_only=True)  # eager path: N = 2
+            self._run([state], [[0]], last_only=True)  # N = 1
+        finally:
+            self.release(state)
+            self.model.positions_computed = computed  # no request's work
 
     def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, State]:
         if not ids:
@@ -270,19 +290,22 @@ class PagedLlamaLM(ChunkedImport):
         state.kv.length = len(state.tokens)
 
 
-def paged_pair(pair: ModelPair, kv_cache_bytes: int, *, graphs: bool = True) -> ModelPair:
+def paged_pair(pair: ModelPair, kv_cache_bytes: int, *, eager: bool = False) -> ModelPair:
     """The pair with its Llama models on paged pools sharing `kv_cache_bytes`: target and
     draft pools hold the same number of tokens (every request has KV in both), so the bytes
     split by their per-token sizes (a layer-skip draft of N of L layers takes N/(N+L)).
-    Other backends (n-gram, transformers) are returned as they are."""
+    On a GPU the elementwise kernels are compiled here (`warm_up`). Other backends
+    (n-gram, transformers) are returned as they are."""
     if not isinstance(pair.target, LlamaCausalLM):
         return pair
     models = [pair.target] + ([pair.draft] if isinstance(pair.draft, LlamaCausalLM) else [])
     tokens = kv_cache_bytes // sum(bytes_per_token(m) for m in models)
-    target = PagedLlamaLM.with_pool(pair.target, tokens * bytes_per_token(pair.target), graphs=graphs)
+    target = PagedLlamaLM.with_pool(pair.target, tokens * bytes_per_token(pair.target), eager=eager)
     draft = pair.draft
     if isinstance(draft, LlamaCausalLM):
-        draft = PagedLlamaLM.with_pool(draft, tokens * bytes_per_token(draft), graphs=graphs)
+        draft = PagedLlamaLM.with_pool(draft, tokens * bytes_per_token(draft), eager=eager)
+        draft.warm_up()
+    target.warm_up()
     return ModelPair(target, draft, pair.d2t, pair.tokenizer)
 
 

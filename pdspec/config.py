@@ -69,6 +69,12 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
         help="on a GPU without --kv-cache-bytes: fraction of its memory for weights + KV pool",
     )
     parser.add_flag(
+        "--enforce-eager",
+        default=False,
+        type=bool,
+        help="on a GPU: no CUDA graphs and no compiled elementwise kernels (debugging, or no Triton)",
+    )
+    parser.add_flag(
         "--draft-sampling",
         default="point-mass",
         choices=[law.value for law in DraftLaw],
@@ -126,6 +132,7 @@ def node_options(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
             dtype=args.dtype,
             kv_cache_bytes=args.kv_cache_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            enforce_eager=args.enforce_eager,
         ),
         "max_message_bytes": args.max_message_bytes,
         "log_stats_s": args.log_stats_seconds,

@@ -30,6 +30,7 @@ class ModelSpec:
     dtype: str | None = None  # None: float32 on the CPU, bfloat16 on a GPU
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # no CUDA graphs, no compiled kernels
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

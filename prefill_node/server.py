@@ -289,7 +289,9 @@ def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.No
 def run_server(
     config: PrefillNodeConfig, pair_loader: Callable[[], ModelPair] | None = None
 ) -> Iterator[RunningPrefillNode]:
-    pair = paged_pair((pair_loader or config.models.load)(), config.models.kv_budget())
+    pair = paged_pair(
+        (pair_loader or config.models.load)(), config.models.kv_budget(), eager=config.models.enforce_eager
+    )
     engine = PrefillEngine(pair, config.engine)
     rows = max(config.engine.max_speculative_tokens, config.engine.max_tree_nodes if engine.trees else 0)
     limit = config.max_message_bytes or max_message_bytes(engine.contract, rows, config.engine.limits.max_prompt_tokens)

@@ -58,7 +58,7 @@ def test_captured_graphs_equal_eager(gpu_pair):
 
     model = gpu_pair.target
     budget = 4096 * bytes_per_token(model)
-    graphed, eager = (PagedLlamaLM.with_pool(model, budget, graphs=g) for g in (True, False))
+    graphed, eager = (PagedLlamaLM.with_pool(model, budget, eager=e) for e in (False, True))
     for rows in (1, 3, 8):
         for queries in (1, 5):
             states = []
