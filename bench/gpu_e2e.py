@@ -327,8 +327,11 @@ def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy:
     return generated / elapsed, ((accepted + steps) / steps if steps else None), [r[1] for r in results]
 
 
-def _node_process(role: str, shape: str, device: str, kv_bytes: int, decode_addr: str, ports, stop) -> None:
-    """One node in its own process (as deployed: no GIL shared with the other node)."""
+def _node_process(
+    role: str, shape: str, device: str, kv_bytes: int, decode_addr: str, ports, stop, shm: bool = False
+) -> None:
+    """One node in its own process (as deployed: no GIL shared with the other node); `shm`:
+    the KV handed over in shared memory (--kv-transport shm / --accept-shm-kv)."""
     torch.manual_seed(0)
     target = random_model(shape, device, torch.bfloat16 if device != "cpu" else torch.float32)
     pair = ModelPair(target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer())
@@ -336,9 +339,10 @@ def _node_process(role: str, shape: str, device: str, kv_bytes: int, decode_addr
     from decode_node.server import DecodeNodeConfig
     from decode_node.server import run_server as run_decode
     from pdspec.modelspec import ModelSpec
-    from prefill_node.engine import PrefillConfig
+    from prefill_node.engine import KvTransport, PrefillConfig
     from prefill_node.server import PrefillNodeConfig
     from prefill_node.server import run_server as run_prefill
+    from protos.validation import RequestLimits
 
     spec = ModelSpec(device=device, kv_cache_bytes=kv_bytes)
     if role == "decode":
@@ -348,6 +352,8 @@ def _node_process(role: str, shape: str, device: str, kv_bytes: int, decode_addr
             metrics_port=None,
             models=spec,
             engine=DecodeConfig(device=device, max_batch=64, max_queue=256),
+            limits=RequestLimits(max_prompt_tokens=8192),
+            accept_shm_kv=shm,
         )
         context = run_decode(config, lambda: pair)
     else:
@@ -357,7 +363,11 @@ def _node_process(role: str, shape: str, device: str, kv_bytes: int, decode_addr
             port=0,
             metrics_port=None,
             models=spec,
-            engine=PrefillConfig(device=device),
+            engine=PrefillConfig(
+                device=device,
+                limits=RequestLimits(max_prompt_tokens=8192),
+                kv_transport=KvTransport.SHM if shm else KvTransport.GRPC,
+            ),
             peer_check_s=0.1,
             max_streams=512,
         )
@@ -367,18 +377,20 @@ def _node_process(role: str, shape: str, device: str, kv_bytes: int, decode_addr
         stop.wait()
 
 
-def spawn_nodes(shape: str, device: str, kv_bytes: int):
-    """Decode and prefill nodes, each in its own process; returns (prefill port, stop)."""
+def spawn_nodes(shape: str, device: str, kv_bytes: int, *, prefill_device: str | None = None, shm: bool = False):
+    """Decode (on `device`) and prefill (on `prefill_device`, default the same) nodes, each in
+    its own process; returns (prefill port, stop)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     stop, ports = ctx.Event(), ctx.Queue()
-    decode = ctx.Process(target=_node_process, args=("decode", shape, device, kv_bytes, "", ports, stop))
+    decode = ctx.Process(target=_node_process, args=("decode", shape, device, kv_bytes, "", ports, stop, shm))
     decode.start()
     decode_port = ports.get(timeout=600)
+    prefill_kv = 8200 * 2 * bytes_per_token_of(shape)
     prefill = ctx.Process(
         target=_node_process,
-        args=("prefill", shape, device, 8200 * 2 * bytes_per_token_of(shape), f"127.0.0.1:{decode_port}", ports, stop),
+        args=("prefill", shape, prefill_device or device, prefill_kv, f"127.0.0.1:{decode_port}", ports, stop, shm),
     )
     prefill.start()
     prefill_port = ports.get(timeout=600)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.device import on_device
 from engine.proposer import Drafted, check_tree_limits, draft_tokens, shape_nodes, tree_shape
 from models.base import State, import_tensors
 from models.kv_import import Buffer
@@ -241,6 +242,10 @@ class DecodeEngine:
     def step(self) -> None:
         """Admit waiting requests (in arrival order, while slots and KV blocks last), then one
         speculative step for every active one. Every request that leaves frees its KV."""
+        with on_device(self.config.device):
+            self._step()
+
+    def _step(self) -> None:
         admitted = []
         with self._lock:
             room = self.config.max_batch - len(self._active)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.device import on_device
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
 from models.base import ChunkedImport, State, batch_positions, close_span, end_import, live_rows
 from models.kv_import import KvWriter
@@ -210,8 +211,9 @@ class PagedLlamaLM(ChunkedImport):
         state, computed = self.empty_state(), self.model.positions_computed
         self.reserve(state, 3)
         try:
-            self._run([state], [[0, 0]], last_only=True)  # eager path: N = 2
-            self._run([state], [[0]], last_only=True)  # N = 1
+            with on_device(self.device):
+                self._run([state], [[0, 0]], last_only=True)  # eager path: N = 2
+                self._run([state], [[0]], last_only=True)  # N = 1
         finally:
             self.release(state)
             self.model.positions_computed = computed  # no request's work

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.device import on_device
 from engine.proposer import Drafted, check_tree_limits, draft_tokens, shape_nodes, tree_shape
 from models.base import State
 from models.pair import ModelPair
@@ -216,7 +217,8 @@ class PrefillEngine:
                 if self._lock.acquire(timeout=0.002):
                     try:
                         if not job.done.is_set():
-                            self._step()
+                            with on_device(self.config.device):  # the caller's thread may be on another device
+                                self._step()
                     finally:
                         self._lock.release()
         for job in jobs:

@@ -36,7 +36,9 @@ def compose() -> str:
     return path
 
 
-@pytest.mark.parametrize("override", [None, "docker-compose.gpu.yml", "docker-compose.rocm.yml"])
+@pytest.mark.parametrize(
+    "override", [None, "docker-compose.gpu.yml", "docker-compose.rocm.yml", "docker-compose.two-gpu.yml"]
+)
 def test_compose_files_validate(override):
     files = ["-f", str(DEPLOY / "docker-compose.yml")] + (["-f", str(DEPLOY / override)] if override else [])
     result = subprocess.run([compose(), *files, "config"], capture_output=True, text=True)
@@ -49,6 +51,12 @@ def test_compose_files_validate(override):
     if override == "docker-compose.gpu.yml":
         devices = config["services"]["decode"]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]
+    if override == "docker-compose.two-gpu.yml":  # one GPU per node, not the same one
+        gpus = [
+            config["services"][name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            for name in ("prefill", "decode")
+        ]
+        assert gpus == [["0"], ["1"]]
     if override == "docker-compose.rocm.yml":
         decode = config["services"]["decode"]
         assert {"/dev/kfd", "/dev/dri"} <= {d.split(":")[0] for d in decode["devices"]}

@@ -11,7 +11,7 @@ pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 from engine.kv_cache import KvCacheFull, KvPool, PagedSeq
 from engine.paged_lm import PagedLlamaLM, bytes_per_token, paged_pair
 from models.checkpoint import load_hf_llama
-from models.llama import layer_skip_draft
+from models.llama import EAGER, layer_skip_draft
 from models.loader import load_pair
 from tests.models.hf_fixtures import make_family_checkpoint, make_tokenizer
 
@@ -104,6 +104,14 @@ def test_paged_pair_splits_the_bytes_so_both_pools_hold_the_same_tokens(tmp_path
     torch.testing.assert_close(logits, draft.prefill([3, 4, 5])[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         PagedLlamaLM.with_pool(target, 10)
+    assert not paged.target.graphs and paged.target.ops is EAGER  # the CPU: no graphs, no compile
+
+
+def test_enforce_eager_reaches_the_model_spec():
+    from decode_node.__main__ import parse_args
+
+    assert parse_args(["--enforce-eager"]).models.enforce_eager
+    assert not parse_args([]).models.enforce_eager
 
 
 def test_graph_bucket_padding_changes_no_real_row(models):
@@ -127,10 +135,16 @@ def test_graph_bucket_padding_changes_no_real_row(models):
     tokens = torch.tensor([t for row in feed for t in row] + [0, 0])
     positions = torch.tensor([p + i for p in past for i in range(2)] + [0, 0])
     seq_lens = torch.tensor([p + 2 for p in past for _ in range(2)] + [1, 1])
-    with torch.inference_mode():
-        got = paged.module(
-            tokens, positions, PagedBatch(paged.pool, meta), num_layers=paged.num_layers, seq_lens=seq_lens
+    with (
+        torch.inference_mode()
+    ):  # dense=True: what a captured graph replays; the ragged reorderings are identities here
+        got, ragged = (
+            paged.module(
+                tokens, positions, PagedBatch(paged.pool, meta, dense=d), num_layers=paged.num_layers, seq_lens=seq_lens
+            )
+            for d in (True, False)
         )
+    assert torch.equal(got, ragged)
     for row in range(3):
         torch.testing.assert_close(got[2 * row : 2 * row + 2].float(), want[row], rtol=1e-5, atol=1e-5)
     assert torch.isfinite(got).all()

@@ -158,6 +158,24 @@ def test_sharded_safetensors_index_loads(tmp_path):
         load_hf_llama(sharded, dtype=torch.float32)
 
 
+def test_fused_projections_keep_transformers_names_and_values(tmp_path):
+    """q/k/v (with Qwen2's biases) and gate/up load into one Linear each; state_dict() gives
+    back transformers' names and exactly the checkpoint's tensors."""
+    from safetensors.torch import load_file
+
+    path = make_family_checkpoint(tmp_path, "qwen2", seed=4)
+    expected = load_file(path / "model.safetensors")
+    module = load_hf_llama(path, dtype=torch.float32).module
+    attention = module.model.layers[0].self_attn
+    assert attention.qkv_proj.bias is not None and not hasattr(attention, "q_proj")
+    q, k, v = (expected[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    assert torch.equal(attention.qkv_proj.weight, torch.cat([q, k, v]))
+    state = module.state_dict()
+    assert set(state) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(state[name], tensor), name
+
+
 def test_layer_skip_draft_equals_truncated_transformers_model(tmp_path):
     path = make_family_checkpoint(tmp_path, "llama", seed=6, layers=3)
     target = load_hf_llama(path, dtype=torch.float32)
