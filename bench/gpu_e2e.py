@@ -22,6 +22,7 @@ Sections (each row says what it measures):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import threading
@@ -230,7 +231,6 @@ def engine_sections(args, env, rows, tables) -> None:
 def serve(pair: ModelPair, device: str, kv_bytes: int, max_batch: int = 64, k_max: int = 8, law=None):
     """Both nodes in this process on one device (loopback gRPC); returns (client, stack, prefill,
     decode). `law`: the draft law of both nodes (None: their default, point mass)."""
-    import contextlib
 
     from decode_node.engine import DecodeConfig
     from decode_node.server import DecodeNodeConfig
@@ -403,29 +403,33 @@ def spawn_nodes(shape: str, device: str, kv_bytes: int, *, prefill_device: str |
     return prefill_port, shutdown
 
 
+@contextlib.contextmanager
+def serving_client(port: int):
+    """A client of the prefill node on `port`, once its health check says SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pdspec.client import Client
+
+    with Client(f"127.0.0.1:{port}", max_message_bytes=1 << 30) as client:
+        health = health_pb2_grpc.HealthStub(client.channel)
+        while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
+            time.sleep(0.2)
+        yield client
+
+
 def bytes_per_token_of(shape: str) -> int:
     s = SHAPES[shape]
     return s["layers"] * 2 * s["kv"] * (s["hidden"] // s["heads"]) * 2
 
 
 def node_sections(args, env, rows, tables) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from pdspec.client import Client
-
     shape = "smoke" if args.smoke else "llama3-8b"
     per_token = bytes_per_token_of(shape) * 33 // 32  # target + a 1-layer draft
     kv_bytes = (64 * (args.context + args.tokens + 32) + 64) * per_token * 2
     port, shutdown = spawn_nodes(shape, args.device, kv_bytes)
     table = []
     try:
-        with Client(f"127.0.0.1:{port}", max_message_bytes=1 << 30) as client:
-            health = health_pb2_grpc.HealthStub(client.channel)
-            while (
-                health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
-                != health_pb2.HealthCheckResponse.SERVING
-            ):
-                time.sleep(0.2)
+        with serving_client(port) as client:
             prompt = list(range(1, args.context + 1))
             load(client, 4, 8, 0, prompt, greedy=True)  # warm-up: graphs captured, kernels chosen
             for batch in args.batches:

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, markdown_table, write_results
-from bench.gpu_e2e import bytes_per_token_of, spawn_nodes
+from bench.gpu_e2e import bytes_per_token_of, serving_client, spawn_nodes
 
 SETUPS = {  # name -> (decode device index, prefill device index, K, shared-memory KV)
     "disagg": (1, 0, 4, False),
@@ -116,10 +116,6 @@ def run_phase(client, args, k: int, rate: float | None, vocab: int) -> dict:
 
 
 def run_setup(name: str, args, rows: list[dict], table: list[list]) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from pdspec.client import Client
-
     decode_index, prefill_index, k, shm = SETUPS[name]
     if args.device == "cpu":
         decode_device = prefill_device = "cpu"
@@ -133,13 +129,7 @@ def run_setup(name: str, args, rows: list[dict], table: list[list]) -> None:
     kv_bytes = (args.steady + 24) * (args.max_prompt + 600) * per_token
     port, shutdown = spawn_nodes(args.shape, decode_device, kv_bytes, prefill_device=prefill_device, shm=shm)
     try:
-        with Client(f"127.0.0.1:{port}", max_message_bytes=1 << 30) as client:
-            health = health_pb2_grpc.HealthStub(client.channel)
-            while (
-                health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
-                != health_pb2.HealthCheckResponse.SERVING
-            ):
-                time.sleep(0.2)
+        with serving_client(port) as client:
             vocab = {"smoke": 300}.get(args.shape, 128256)
             stream(client, list(range(1, args.max_prompt + 1)), 8, k, 0, {})  # warm-up: long-prompt path, graphs
             for rate in [None, *args.rates]:

@@ -14,8 +14,8 @@ pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 from models.loader import load_pair
 from sampling.proposal import DraftLaw
-from tests.nodes.harness import generate_many_verifiers, target_probs
-from tests.nodes.test_transformer_distribution import PROMPT, SAMPLES, VOCAB, K, joint_pvalue, make_sharp_llama
+from tests.nodes.harness import target_probs
+from tests.nodes.test_transformer_distribution import PROMPT, VOCAB, joint_pvalue, make_sharp_llama, two_token_outputs
 from tests.sampling.helpers import ALPHA, biased_rejection_sample
 
 pytestmark = pytest.mark.gpu
@@ -35,18 +35,7 @@ def joint(pair) -> np.ndarray:
 
 @pytest.mark.parametrize("law", list(DraftLaw), ids=lambda law: law.value)
 def test_joint_distribution_on_the_gpu_and_the_biased_verifier(pair, joint, law):
-    real, biased = generate_many_verifiers(
-        pair,
-        PROMPT,
-        range(SAMPLES),
-        k=K,
-        law=law,
-        max_new_tokens=2,
-        samplers=[None, biased_rejection_sample],
-        memoize=True,
-        device="cuda",
-        backend="cupy",
-    )
+    real, biased = two_token_outputs(pair, law, [None, biased_rejection_sample], device="cuda", backend="cupy")
     real_p, biased_p = joint_pvalue(real, joint), joint_pvalue(biased, joint)
     print(f"{law.value}: real p = {real_p:.3g}, biased p = {biased_p:.3g}")
     assert real_p > ALPHA and biased_p < ALPHA
@@ -54,19 +43,7 @@ def test_joint_distribution_on_the_gpu_and_the_biased_verifier(pair, joint, law)
 
 def test_candidate_trees_on_the_gpu(pair, joint):
     """Two candidates per node (the CuPy tree kernel): still the target's joint law."""
-    (real,) = generate_many_verifiers(
-        pair,
-        PROMPT,
-        range(SAMPLES),
-        k=K,
-        law=DraftLaw.STOCHASTIC,
-        max_new_tokens=2,
-        samplers=[None],
-        memoize=True,
-        device="cuda",
-        backend="cupy",
-        candidates=2,
-    )
+    (real,) = two_token_outputs(pair, DraftLaw.STOCHASTIC, [None], device="cuda", backend="cupy", candidates=2)
     p = joint_pvalue(real, joint)
     print(f"trees: p = {p:.3g}")
     assert p > ALPHA

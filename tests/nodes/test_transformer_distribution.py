@@ -82,6 +82,15 @@ def joint(pair) -> np.ndarray:
     return np.stack([first[t] * target_probs(pair, [*PROMPT, t]) for t in range(VOCAB)])
 
 
+def two_token_outputs(pair, law: DraftLaw, samplers, **kwargs) -> list[list[list[int]]]:
+    """The first 2 tokens of SAMPLES seeded K = 2 requests, once per verifier in `samplers`
+    (None = the real one), through the memoized harness; `kwargs` go to the harness (device,
+    backend, candidates)."""
+    return generate_many_verifiers(
+        pair, PROMPT, range(SAMPLES), k=K, law=law, max_new_tokens=2, samplers=samplers, memoize=True, **kwargs
+    )
+
+
 def joint_pvalue(outs: list[list[int]], joint: np.ndarray) -> float:
     assert all(len(out) == 2 for out in outs)
     cells = torch.tensor([out[0] * VOCAB + out[1] for out in outs])
@@ -119,16 +128,7 @@ def test_memoized_harness_is_exact(pair):
 def test_joint_distribution_is_the_transformers_and_a_biased_verifier_is_caught(pair, joint, law):
     """The same 20,000 prefilled requests verified by the real sampler and by the biased one
     (one test, so that no two workers compute the same outputs)."""
-    real, biased = generate_many_verifiers(
-        pair,
-        PROMPT,
-        range(SAMPLES),
-        k=K,
-        law=law,
-        max_new_tokens=2,
-        samplers=[None, biased_rejection_sample],
-        memoize=True,
-    )
+    real, biased = two_token_outputs(pair, law, [None, biased_rejection_sample])
     real_p, biased_p = joint_pvalue(real, joint), joint_pvalue(biased, joint)
     print(f"{law.value}: real verifier p = {real_p:.3g}, biased verifier p = {biased_p:.3g}")
     assert real_p > ALPHA
