@@ -215,7 +215,7 @@ class PagedBatch:
     pool: KvPool
     meta: BatchMeta
     dense: bool = False
-    _grouped_mask: torch.Tensor | None = None
+    _grouped_mask: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         meta = self.meta

@@ -10,6 +10,7 @@ when it begins): no per-request cache object.
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from collections.abc import Sequence
 
@@ -66,8 +67,10 @@ class PagedLlamaLM(ChunkedImport):
         self.model = model
         self.pool = pool
         self.graphs = not eager and pool.kv.device.type == "cuda"  # hipGraphs on ROCm: same API
-        # Triton kernels for the elementwise ops on a GPU; the CPU (and --enforce-eager) runs them eagerly
-        self.ops = compiled_pointwise() if self.graphs else EAGER
+        # Triton kernels for the elementwise ops on a GPU; the CPU, --enforce-eager and a torch
+        # without Triton run them eagerly
+        compiled = self.graphs and importlib.util.find_spec("triton") is not None
+        self.ops = compiled_pointwise() if compiled else EAGER
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.module, self.config, self.num_layers = model.module, model.config, model.num_layers

@@ -221,9 +221,12 @@ class PrefillEngine:
                                 self._step()
                     finally:
                         self._lock.release()
-        for job in jobs:
-            if job.error is not None:
-                raise job.error
+        failed = next((job.error for job in jobs if job.error is not None), None)
+        if failed is not None:
+            for job in jobs:  # the results nobody will get: their shared-memory KV goes too
+                if job.result is not None and job.result.shm is not None:
+                    job.result.shm.unlink()
+            raise failed
         return [job.result for job in jobs]
 
     def _step(self) -> None:

@@ -76,6 +76,29 @@ def test_concurrent_and_chunked_prefills_equal_solo_runs(pair):
     assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
 
 
+def test_prefill_many_equals_solo_runs_in_order(pair):
+    """One caller's list of requests: batched into shared steps (as the statistical harness
+    uses it), each result what the request gets alone, in the list's order."""
+    lengths = [5, 40, 17, 90, 3, 33]
+    solo_engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC))
+    solo = [summary(solo_engine.prefill(solo_engine.check(request(i, n)))) for i, n in enumerate(lengths)]
+    engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC, max_prefill_tokens=64))
+    steps = []
+    original = engine._step
+
+    def counting_step():
+        steps.append(len(engine._jobs))
+        original()
+
+    engine._step = counting_step
+    batched = engine.prefill_many([engine.check(request(i, n)) for i, n in enumerate(lengths)])
+    for got, want in zip((summary(p) for p in batched), solo, strict=True):
+        assert got[0] == want[0] and got[1] == want[1]
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
+    assert steps[0] == len(lengths) and len(steps) < len(lengths)  # shared steps, not one per request
+    assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
+
+
 def test_a_prompt_larger_than_the_kv_cache_is_resource_exhausted(pair):
     from protos.validation import Code
 
