@@ -22,6 +22,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -153,51 +154,56 @@ def batch_meta(
 ) -> BatchMeta:
     """Host metadata for new tokens `new_lengths[r]` in slots seqs[r].length.. .
 
-    Vectorized over rows: one padded block-table tensor per batch, every slot computed
-    from it by tensor arithmetic (no per-row tensor work). `tree_masks[r]` [n_r, live_r]
+    Vectorized over rows: one padded block-table array per batch, every slot computed from
+    it by array arithmetic (no per-row tensor work), in numpy: these arrays have tens to a
+    few thousand entries, where a numpy op costs a fraction of a torch CPU op's dispatch (this
+    runs once per forward on the step's critical path). `tree_masks[r]` [n_r, live_r]
     replaces row r's causal mask (candidate trees: models/base.TreeSpan.mask)."""
     real = len(seqs)
     rows = rows or real
     bs, scratch = pool.block_size, pool.scratch_slot
-    past = torch.tensor([s.length for s in seqs] + [0] * (rows - real), dtype=torch.int64)  # [R]
-    new = torch.tensor(list(new_lengths) + [max(new_lengths)] * (rows - real), dtype=torch.int64)  # [R]
+    past = np.zeros(rows, dtype=np.int64)  # [R]
+    past[:real] = [s.length for s in seqs]
+    new = np.full(rows, max(new_lengths), dtype=np.int64)  # [R]
+    new[:real] = new_lengths
     live = past + new
     live[real:] = 0
     width = width or int(live.max())
     queries = max(new_lengths)
     longest = max(len(s.blocks) for s in seqs)
-    tables = torch.tensor([s.blocks + [0] * (longest - len(s.blocks)) for s in seqs], dtype=torch.int64)  # [real, B]
-    tables = torch.cat([tables, torch.zeros(rows - real, longest, dtype=torch.int64)])  # padding rows: scratch
+    tables = np.zeros((rows, longest), dtype=np.int64)  # [R, B]; padding rows: block 0, the scratch block
+    for r, seq in enumerate(seqs):
+        tables[r, : len(seq.blocks)] = seq.blocks
+    row_index = np.arange(rows)[:, None]  # [R, 1]
 
-    def slots_of(row: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        block = (pos // bs).clamp(max=longest - 1)
-        return tables[row, block] * bs + pos % bs
+    def slots_of(pos: np.ndarray) -> np.ndarray:
+        return tables[row_index, np.minimum(pos // bs, longest - 1)] * bs + pos % bs
 
-    key_pos = torch.arange(width)  # [W]
-    key_slots = slots_of(torch.arange(rows)[:, None], key_pos[None, :])  # [R, W]
-    key_slots = torch.where(key_pos[None, :] < live[:, None], key_slots, scratch)
-    offset = torch.arange(queries)[None, :]  # [1, Q]
-    query_pos = torch.where(offset < new[:, None], past[:, None] + offset, -1)  # [R, Q]; -1 = padding
+    key_pos = np.arange(width)  # [W]
+    key_slots = np.where(key_pos[None, :] < live[:, None], slots_of(key_pos[None, :]), scratch)  # [R, W]
+    offset = np.arange(queries)[None, :]  # [1, Q]
+    query_pos = np.where(offset < new[:, None], past[:, None] + offset, -1)  # [R, Q]; -1 = padding
     query_pos[real:] = -1
     valid = query_pos >= 0
-    new_slots = torch.where(valid, slots_of(torch.arange(rows)[:, None], query_pos.clamp(min=0)), scratch)
+    new_slots = np.where(valid, slots_of(np.maximum(query_pos, 0)), scratch)
     allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < live[:, None, None])
     if sliding_window is not None:
         allowed &= query_pos[:, :, None] - key_pos[None, None, :] < sliding_window
     for r, tree in enumerate(tree_masks or ()):
         if tree is not None:
-            allowed[r, : tree.shape[0], : tree.shape[1]] = tree
+            allowed[r, : tree.shape[0], : tree.shape[1]] = tree.numpy()
     allowed |= ~valid[:, :, None]  # padding queries attend to everything: no NaN rows
     if rows > real:  # a graph bucket: uniform rows, tokens in padded (row-major) order
-        flat = torch.arange(rows * queries)
-        query_index = flat.view(rows, queries)
-        new_slots = new_slots.view(-1)
+        flat = np.arange(rows * queries)
+        query_index = flat.reshape(rows, queries)
+        new_slots = new_slots.reshape(-1)
     else:
-        flat = valid.view(-1).nonzero().view(-1)  # padded (r, i) of each flattened token
-        starts = torch.cumsum(new, 0) - new  # [R] first flattened token of each row
-        query_index = torch.where(valid, starts[:, None] + offset, 0)
+        flat = np.flatnonzero(valid)  # padded (r, i) of each flattened token
+        starts = np.cumsum(new) - new  # [R] first flattened token of each row
+        query_index = np.where(valid, starts[:, None] + offset, 0)
         new_slots = new_slots[valid]
-    return BatchMeta(new_slots, key_slots, allowed[:, None], query_index, flat)
+    arrays = (new_slots, key_slots, allowed[:, None], query_index, flat)
+    return BatchMeta(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
 
 
 @dataclass

@@ -43,6 +43,7 @@ class TreeSpan:
     parents: list[int] = field(default_factory=list)  # -1 = the last history token
     depths: list[int] = field(default_factory=list)
     ancestry: list[int] = field(default_factory=list)
+    chain: bool = True  # every token's parent is the one before it: the mask is the causal one
 
     def add(self, parents: Sequence[int]) -> None:
         """Append tokens whose parents are earlier span indices (or -1); ValueError otherwise."""
@@ -50,6 +51,7 @@ class TreeSpan:
             t = len(self.parents)
             if not -1 <= parent < t:
                 raise ValueError(f"parents[{t}]: expected -1..{t - 1} (an earlier tree token), got {parent}")
+            self.chain &= parent == t - 1
             self.parents.append(parent)
             self.depths.append(0 if parent < 0 else self.depths[parent] + 1)
             self.ancestry.append((1 << t) | (0 if parent < 0 else self.ancestry[parent]))
@@ -99,7 +101,7 @@ class BatchPositions:
 
     positions: torch.Tensor  # [N] int64: RoPE positions (a tree token's: base + its depth)
     seq_lens: torch.Tensor  # [N] int64: each token's row length (the longest path through its row)
-    masks: list[torch.Tensor] | None  # per row [n_r, live_r] bool tree masks, None for plain rows
+    masks: list[torch.Tensor | None] | None  # per row [n_r, live_r] bool tree masks; None: causal
 
 
 def batch_positions(
@@ -114,8 +116,11 @@ def batch_positions(
     positions = torch.tensor([p for _, row in spans for p in row], dtype=torch.int64)
     seq_lens = torch.tensor([max(row) + 1 for _, row in spans for _ in row], dtype=torch.int64)
     masks = None
-    if parents is not None:
-        masks = [state.tree.mask(start, window, "cpu") for state, (start, _) in zip(states, spans, strict=True)]
+    if parents is not None:  # a chain's tree mask is the causal one: the stores build that themselves
+        masks = [
+            None if state.tree.chain else state.tree.mask(start, window, "cpu")
+            for state, (start, _) in zip(states, spans, strict=True)
+        ]
     return BatchPositions(positions, seq_lens, masks)
 
 

@@ -577,7 +577,7 @@ class LlamaCausalLM(ChunkedImport, GrowingKv):
         if last_only:
             ends = torch.tensor(lengths).cumsum(0) - 1
             logits_at = ends.to(self.device)
-        masks = None if meta.masks is None else [m.to(self.device) for m in meta.masks]
+        masks = None if meta.masks is None else [None if m is None else m.to(self.device) for m in meta.masks]
         batch = ContiguousBatch([s.kv for s in states], lengths, window, masks)
         with torch.inference_mode():
             logits = self.module(

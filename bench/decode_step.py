@@ -1,0 +1,170 @@
+"""Where a decode step's time goes outside the model forward (the GPU-engine issue's "< 10%").
+
+    python bench/decode_step.py [--device cuda] [--shape llama3-8b] [--batches 1,8] [--k 0,4] [--smoke]
+
+The decode engine alone (no gRPC): `--batches` greedy requests with a 256-token context,
+prefilled by the real prefill engine, decoded by the real DecodeEngine (K draft tokens per
+step from the 1-layer layer-skip draft of the random-weight checkpoint). Per configuration:
+* the wall time of one engine step (median over the run);
+* the target forward alone at the same batch and width (bench/gpu_e2e.step_rows: the graph
+  replay on a GPU), so step - forward is what the engine adds: drafting, sampling, the
+  rejection kernel, metadata, bookkeeping;
+* the device time and count of the kernels of a step (torch.profiler, CUDA only);
+* the host functions with the most own time per step (cProfile), to say what to cut.
+Writes bench/results/decode_step-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import environment, markdown_table, write_results
+from bench.gpu_e2e import paged, random_model, step_rows, sync
+from decode_node.engine import DecodeConfig, DecodeEngine
+from engine.paged_lm import bytes_per_token, paged_pair
+from models.llama import layer_skip_draft
+from models.pair import ModelPair
+from models.tokenizer import ByteTokenizer
+from prefill_node.engine import PrefillConfig, PrefillEngine
+from protos import pdspec_pb2
+from protos.validation import Receiver, validate_decode_request
+from sampling import DraftToTargetMap
+
+
+def engine_steps(pair: ModelPair, device: str, batch: int, k: int, context: int, steps: int):
+    """(median seconds per step, device ms and kernels per step or None, top host functions)."""
+    prefill = PrefillEngine(pair, PrefillConfig(device=device))
+    decode = DecodeEngine(pair, DecodeConfig(device=device, max_batch=batch, max_speculative_tokens=max(k, 1)))
+    receiver = Receiver.from_contract(pair.contract(), max(k, 1))
+
+    def submit(count: int, tokens: int) -> None:
+        requests = [
+            pdspec_pb2.GenerateRequest(
+                prompt_token_ids=[(7 * i + j) % (pair.target.vocab_size - 2) + 1 for j in range(context)],
+                num_speculative_tokens=k,
+                sampling=pdspec_pb2.SamplingParams(do_sample=False, max_new_tokens=tokens),
+            )
+            for i in range(count)
+        ]
+        for prefilled in prefill.prefill_many([prefill.check(r) for r in requests]):
+            wire = pdspec_pb2.DecodeRequest.FromString(prefilled.decode_request.SerializeToString())
+            decode.submit(validate_decode_request(wire, receiver))
+
+    submit(batch, 8)  # warm-up: graphs of these shapes captured, kernels chosen
+    while decode.load:
+        decode.step()
+    submit(batch, (2 * steps + 20) * (k + 1))  # still running after every timed and profiled step
+    decode.step()  # admission
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        decode.step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    kernels = None
+    if torch.device(device).type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                decode.step()
+            sync(device)
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = (sum(e.device_time for e in events) / 5 / 1e3, len(events) / 5)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(5):
+        decode.step()
+    sync(device)
+    profiler.disable()
+    while decode.load:
+        decode.step()
+    own = collections.Counter()
+    for (file, _line, name), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
+        where = f"{Path(file).parent.name}/{Path(file).name}:{name}" if file.startswith("/") else name
+        own[where] += tottime / 5
+    return statistics.median(times), kernels, own.most_common(6)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", default="llama3-8b")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--k", default="0,4")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help="the tiny shape (CPU is fine)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.shape, args.context, args.steps = "smoke", 32, 5
+    device = args.device
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) for k in args.k.split(",")]
+    target = random_model(args.shape, device, dtype)
+    tokens = max(batches) * (args.context + 2 * args.steps + 64)
+    raw = ModelPair(target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer())
+    pair = paged_pair(raw, tokens * (bytes_per_token(raw.target) + bytes_per_token(raw.draft)))
+    forward_lm = paged(target, tokens)
+    env = environment()
+    rows, table = [], []
+    for batch in batches:
+        forward = step_rows(forward_lm, batch, args.context, 1, device, args.steps)
+        for k in ks:
+            step, kernels, top = engine_steps(pair, device, batch, k, args.context, args.steps)
+            outside = step - forward if k == 0 else None  # K > 0 adds a wider verify and the draft
+            row = {
+                "shape": args.shape,
+                "batch": batch,
+                "k": k,
+                "step_ms": step * 1e3,
+                "forward_ms": forward * 1e3,
+                "outside_forward_ms": None if outside is None else outside * 1e3,
+                "kernel_ms": None if kernels is None else kernels[0],
+                "kernels": None if kernels is None else kernels[1],
+                "top_host_ms": [[name, t * 1e3] for name, t in top],
+            }
+            rows.append(row)
+            table.append(
+                [
+                    args.shape,
+                    batch,
+                    k,
+                    f"{step * 1e3:.2f}",
+                    f"{forward * 1e3:.2f}",
+                    "" if outside is None else f"{outside * 1e3:.2f} ({outside / step:.0%})",
+                    "" if kernels is None else f"{kernels[0]:.2f} / {kernels[1]:.0f}",
+                    "; ".join(f"{name} {t * 1e3:.2f}" for name, t in top[:3]),
+                ]
+            )
+            print(table[-1], flush=True)
+    header = [
+        "shape",
+        "batch",
+        "K",
+        "step ms",
+        "forward ms",
+        "outside the forward (K=0)",
+        "kernel ms / count",
+        "top host ms",
+    ]
+    text = markdown_table(header, table)
+    print(text)
+    if not args.smoke:
+        print("wrote", write_results("decode_step", env, rows, text))
+
+
+if __name__ == "__main__":
+    main()
