@@ -134,7 +134,8 @@ class PagedLlamaLM(ChunkedImport):
         meta = batch_positions(states, ids, parents, window)
         tokens = torch.tensor([t for row in ids for t in row], dtype=torch.int64)
         positions, seq_lens, masks = meta.positions, meta.seq_lens, meta.masks
-        uniform = len(set(lengths)) == 1 and lengths[0] <= MAX_GRAPH_QUERIES and len(seqs) <= MAX_GRAPH_ROWS
+        dense = len(set(lengths)) == 1  # every row brings as many tokens
+        uniform = dense and lengths[0] <= MAX_GRAPH_QUERIES and len(seqs) <= MAX_GRAPH_ROWS
         with torch.inference_mode():
             if self.graphs and uniform and not last_only:
                 logits = self._replay(seqs, lengths, tokens, positions, seq_lens, masks)
@@ -144,7 +145,7 @@ class PagedLlamaLM(ChunkedImport):
                 logits = self.module(
                     tokens.to(self.device),
                     positions.to(self.device),
-                    PagedBatch(self.pool, meta, dense=len(set(lengths)) == 1),
+                    PagedBatch(self.pool, meta, dense=dense),
                     logits_at=logits_at,
                     num_layers=self.num_layers,
                     seq_lens=seq_lens.to(self.device),

@@ -79,16 +79,23 @@ def _well_formed_dims(draft_token_ids, draft_probs, target_probs, target_token_i
     return Dims(batch, k, vocab) if ok else None
 
 
+def _target_dims(target_probs: torch.Tensor, drafts: str) -> tuple[int, int, int]:
+    """B, K (or N: `drafts` names it in the messages) and V of `target_probs` [B, K+1, V] float32."""
+    _check_tensor("target_probs", target_probs, rank=3, dtypes=(torch.float32,))
+    batch, rows, vocab = target_probs.shape
+    if rows < 1:
+        raise ValueError(
+            f"target_probs: expected shape [B, {drafts}+1, V] with {drafts}+1 >= 1, got {tuple(target_probs.shape)}"
+        )
+    if vocab < 1:
+        raise ValueError(f"target_probs: expected vocab size V >= 1, got shape {tuple(target_probs.shape)}")
+    return batch, rows - 1, vocab
+
+
 def _structural_checks(
     draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample
 ) -> Dims:
-    _check_tensor("target_probs", target_probs, rank=3, dtypes=(torch.float32,))
-    batch, k_plus_1, vocab = target_probs.shape
-    if k_plus_1 < 1:
-        raise ValueError(f"target_probs: expected shape [B, K+1, V] with K+1 >= 1, got {tuple(target_probs.shape)}")
-    if vocab < 1:
-        raise ValueError(f"target_probs: expected vocab size V >= 1, got shape {tuple(target_probs.shape)}")
-    k = k_plus_1 - 1
+    batch, k, vocab = _target_dims(target_probs, "K")
     device = target_probs.device
     _check_tensor("draft_token_ids", draft_token_ids, rank=2, dtypes=_INT_DTYPES, shape=(batch, k), device=device)
     if draft_probs is not None:
@@ -177,13 +184,7 @@ def check_tree_inputs(
     Entries of node n >= num_nodes[b] (and positions n + 1 > num_nodes[b]) are ignored
     by the samplers, so the value checks skip them too.
     """
-    _check_tensor("target_probs", target_probs, rank=3, dtypes=(torch.float32,))
-    batch, n_plus_1, vocab = target_probs.shape
-    if n_plus_1 < 1:
-        raise ValueError(f"target_probs: expected shape [B, N+1, V] with N+1 >= 1, got {tuple(target_probs.shape)}")
-    if vocab < 1:
-        raise ValueError(f"target_probs: expected vocab size V >= 1, got shape {tuple(target_probs.shape)}")
-    n = n_plus_1 - 1
+    batch, n, vocab = _target_dims(target_probs, "N")
     if n > MAX_TREE_NODES:
         raise ValueError(f"target_probs: expected N <= MAX_TREE_NODES = {MAX_TREE_NODES} tree nodes, got N = {n}")
     device = target_probs.device

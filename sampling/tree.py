@@ -68,18 +68,6 @@ def tree_rejection_sample(
     """
     device = target_probs.device if isinstance(target_probs, torch.Tensor) else torch.device("cpu")
     resolved = resolve_backend(backend, device)
-    dims = check_tree_inputs(
-        draft_token_ids,
-        parents,
-        num_nodes,
-        draft_probs,
-        target_probs,
-        target_token_ids,
-        accept_uniforms,
-        recover_uniforms,
-        do_sample,
-        check_values=check_values,
-    )
     args = (
         draft_token_ids,
         parents,
@@ -91,6 +79,7 @@ def tree_rejection_sample(
         recover_uniforms,
         do_sample,
     )
+    dims = check_tree_inputs(*args, check_values=check_values)
     if dims.batch == 0:
         return TreeResult(
             torch.empty(0, dims.num_nodes + 1, dtype=torch.int32, device=device),

@@ -42,19 +42,38 @@ def summary(prefilled) -> tuple:
     return prefilled.first_token, list(header.proposal.token_ids), kv
 
 
-def test_concurrent_and_chunked_prefills_equal_solo_runs(pair):
-    lengths = [5, 40, 17, 90, 3, 33]
-    solo_engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC))
-    solo = [summary(solo_engine.prefill(solo_engine.check(request(i, n)))) for i, n in enumerate(lengths)]
-    batched_engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC, max_prefill_tokens=32))
-    steps = []
-    original = batched_engine._step
+LENGTHS = [5, 40, 17, 90, 3, 33]
+
+
+def solo_runs(pair) -> list[tuple]:
+    """What each of the LENGTHS requests gets alone (one engine, one request at a time)."""
+    engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC))
+    return [summary(engine.prefill(engine.check(request(i, n)))) for i, n in enumerate(LENGTHS)]
+
+
+def counted(engine: PrefillEngine) -> list[int]:
+    """The jobs queued at each of `engine`'s steps, appended as the steps run."""
+    steps, original = [], engine._step
 
     def counting_step():
-        steps.append(len(batched_engine._jobs))
+        steps.append(len(engine._jobs))
         original()
 
-    batched_engine._step = counting_step
+    engine._step = counting_step
+    return steps
+
+
+def assert_same(results, solo) -> None:
+    for got, want in zip(results, solo, strict=True):
+        assert got[0] == want[0] and got[1] == want[1]
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
+
+
+def test_concurrent_and_chunked_prefills_equal_solo_runs(pair):
+    lengths = LENGTHS
+    solo = solo_runs(pair)
+    batched_engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC, max_prefill_tokens=32))
+    steps = counted(batched_engine)
     results = [None] * len(lengths)
     barrier = threading.Barrier(len(lengths))
 
@@ -68,9 +87,7 @@ def test_concurrent_and_chunked_prefills_equal_solo_runs(pair):
         t.start()
     for t in threads:
         t.join()
-    for got, want in zip(results, solo, strict=True):
-        assert got[0] == want[0] and got[1] == want[1]
-        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
+    assert_same(results, solo)
     assert max(steps) > 1  # some step saw several queued requests
     assert len(steps) >= sum(lengths) // 32  # the 32-token budget chunked the prompts
     assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
@@ -79,23 +96,12 @@ def test_concurrent_and_chunked_prefills_equal_solo_runs(pair):
 def test_prefill_many_equals_solo_runs_in_order(pair):
     """One caller's list of requests: batched into shared steps (as the statistical harness
     uses it), each result what the request gets alone, in the list's order."""
-    lengths = [5, 40, 17, 90, 3, 33]
-    solo_engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC))
-    solo = [summary(solo_engine.prefill(solo_engine.check(request(i, n)))) for i, n in enumerate(lengths)]
+    solo = solo_runs(pair)
     engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC, max_prefill_tokens=64))
-    steps = []
-    original = engine._step
-
-    def counting_step():
-        steps.append(len(engine._jobs))
-        original()
-
-    engine._step = counting_step
-    batched = engine.prefill_many([engine.check(request(i, n)) for i, n in enumerate(lengths)])
-    for got, want in zip((summary(p) for p in batched), solo, strict=True):
-        assert got[0] == want[0] and got[1] == want[1]
-        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
-    assert steps[0] == len(lengths) and len(steps) < len(lengths)  # shared steps, not one per request
+    steps = counted(engine)
+    batched = engine.prefill_many([engine.check(request(i, n)) for i, n in enumerate(LENGTHS)])
+    assert_same([summary(p) for p in batched], solo)
+    assert steps[0] == len(LENGTHS) and len(steps) < len(LENGTHS)  # shared steps, not one per request
     assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
 
 
