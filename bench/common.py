@@ -58,7 +58,7 @@ def median_ms(fn: Callable[[], object], *, warmup: int = 3, repeat: int = 15, sy
 def write_results(name: str, env: dict[str, str], rows: list[dict] | dict, table: str) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     tag = env.get("gpu", "cpu").replace(" ", "-")
-    path = RESULTS / f"{name}-{tag}-{env['date'][:10]}.json"
+    path = RESULTS / f"{name}-{tag}-{env['date'][:10]}-{env['commit']}.json"  # one file per run
     path.write_text(json.dumps({"environment": env, "rows": rows, "table": table}, indent=2) + "\n")
     return path
 

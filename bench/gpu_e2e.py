@@ -291,12 +291,13 @@ def serve(pair: ModelPair, device: str, kv_bytes: int, max_batch: int = 64, k_ma
 
 
 def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy: bool, temperature: float = 1.0):
-    """`batch` concurrent streams; returns (tokens/s over the whole run, accept length, ttfts)."""
+    """`batch` concurrent streams; returns (tokens/s over the whole run, accept length, ttfts,
+    inter-token gaps: each response's wait over its tokens, after the first response)."""
     results = [None] * batch
 
     def one(i: int) -> None:
-        started = time.perf_counter()
-        ttft, out = None, []
+        started = last = time.perf_counter()
+        ttft, out, gaps = None, [], []
         stats = None
         for response in client.stream(
             prompt_token_ids=prompt_ids,
@@ -307,12 +308,16 @@ def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy:
             num_speculative_tokens=k,
             timeout=600,
         ):
+            now = time.perf_counter()
             if ttft is None:
-                ttft = time.perf_counter() - started
+                ttft = now - started
+            elif response.token_ids:
+                gaps += [(now - last) / len(response.token_ids)] * len(response.token_ids)
+            last = now
             out += response.token_ids
             if response.finished:
                 stats = response.stats
-        results[i] = (len(out), ttft, stats)
+        results[i] = (len(out), ttft, stats, gaps)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
     start = time.perf_counter()
@@ -324,7 +329,8 @@ def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy:
     generated = sum(r[0] for r in results)
     steps = sum(r[2].verify_steps for r in results)
     accepted = sum(r[2].accepted_tokens for r in results)
-    return generated / elapsed, ((accepted + steps) / steps if steps else None), [r[1] for r in results]
+    gaps = [g for r in results for g in r[3]]
+    return generated / elapsed, ((accepted + steps) / steps if steps else None), [r[1] for r in results], gaps
 
 
 def _node_process(
@@ -434,15 +440,25 @@ def node_sections(args, env, rows, tables) -> None:
             load(client, 4, 8, 0, prompt, greedy=True)  # warm-up: graphs captured, kernels chosen
             for batch in args.batches:
                 load(client, batch, 8, 0, prompt, greedy=True)
-                tps, _, ttfts = load(client, batch, args.tokens, 0, prompt, greedy=True)
-                rows.append({"section": "nodes", "shape": shape, "batch": batch, "tokens_per_s": tps})
+                tps, _, ttfts, gaps = load(client, batch, args.tokens, 0, prompt, greedy=True)
+                itl = statistics.median(gaps)
+                rows.append(
+                    {"section": "nodes", "shape": shape, "batch": batch, "tokens_per_s": tps, "itl_p50_ms": itl * 1e3}
+                )
                 table.append(
-                    [shape, batch, f"{tps:.0f}", f"{tps / batch:.1f}", f"{statistics.median(ttfts) * 1e3:.0f}"]
+                    [
+                        shape,
+                        batch,
+                        f"{tps:.0f}",
+                        f"{tps / batch:.1f}",
+                        f"{statistics.median(ttfts) * 1e3:.0f}",
+                        f"{itl * 1e3:.2f}",
+                    ]
                 )
                 print(table[-1], flush=True)
     finally:
         shutdown()
-    header = ["shape", "concurrent streams", "tokens/s (all)", "tokens/s per stream", "TTFT p50 ms"]
+    header = ["shape", "concurrent streams", "tokens/s (all)", "tokens/s per stream", "TTFT p50 ms", "ITL p50 ms"]
     tables.append(
         "### Both nodes over loopback gRPC, one process each (K = 0 greedy)\n\n" + markdown_table(header, table)
     )
@@ -541,8 +557,8 @@ def spec_section(args, env, rows, tables) -> None:
                 for temperature in (0.0, 1.0):
                     greedy, t = temperature == 0, max(temperature, 1e-3)
                     for batch in (1, 16) if not args.smoke else (1, 2):
-                        base, _, _ = load(client, batch, args.tokens, 0, prompt, greedy, t)
-                        spec, accept, _ = load(client, batch, args.tokens, 4, prompt, greedy, t)
+                        base, _, _, _ = load(client, batch, args.tokens, 0, prompt, greedy, t)
+                        spec, accept, _, _ = load(client, batch, args.tokens, 4, prompt, greedy, t)
                         rows.append(
                             {
                                 "section": "spec",

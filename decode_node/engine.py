@@ -39,6 +39,7 @@ from protos.validation import DecodeInput
 from sampling import RequestRng, SamplingTensors, Verifier
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
+from sampling.transfer import to_device
 from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,9 @@ class DecodeEngine:
         self.pair = pair
         self.config = config
         self.metrics = metrics
-        self.verifier = verifier or Verifier(config.sampler_backend, config.device)
+        # Draft ids were validated at the wire (protos/validation) or come from d2t: no value
+        # checks, which would each make the host wait for the step's forward.
+        self.verifier = verifier or Verifier(config.sampler_backend, config.device, check_values=False)
         self.d2t = pair.d2t.to(config.device)
         self._lock = threading.Condition()
         self._pending: list[Request] = []
@@ -369,7 +372,7 @@ class DecodeEngine:
             draft_ids = torch.tensor([p.draft_ids for p in proposals], dtype=torch.int64).view(len(proposals), k)
             probs = None if point_mass[0] else torch.stack([p.probs for p in proposals]).to(device)
             result = self.verifier.verify(draft_ids, probs, torch.stack(logits).to(device), params, rngs)
-            emitted = result.emitted_rows()
+            emitted, _ = result.host()
             paths = [list(range(len(e) - 1)) for e in emitted]
         else:
             n = max(sizes)
@@ -393,10 +396,8 @@ class DecodeEngine:
             result = self.verifier.verify_tree(
                 draft_ids, parents, [len(p.draft_ids) for p in proposals], probs, target_logits, params, rngs
             )
-            emitted = result.emitted_rows()
-            nodes = result.accepted_nodes.cpu().tolist()
-            paths = [row[: len(e) - 1] for row, e in zip(nodes, emitted, strict=True)]
-        do_sample = result.stats.do_sample.cpu().tolist()
+            emitted, paths = result.host()
+        do_sample = [not p.is_greedy for p in params]  # the rows' modes, known on the host
         return list(zip(emitted, paths, do_sample, strict=True))
 
     def _proposals(self, requests: list[Request]) -> list[_Proposal]:
@@ -407,7 +408,7 @@ class DecodeEngine:
             if request.first_step:
                 request.first_step = False
                 data = request.input
-                probs = None if data.draft_probs is None else data.draft_probs.to(self.config.device)
+                probs = None if data.draft_probs is None else to_device(data.draft_probs, self.config.device)
                 ids = data.draft_token_ids.tolist()
                 out[i] = _Proposal(ids, data.draft_parents or list(range(-1, len(ids) - 1)), probs)
             elif request.input.num_speculative_tokens:
@@ -428,7 +429,8 @@ class DecodeEngine:
                 torch.nn.functional.pad(r.rng.uniforms(n), (0, max(sizes) - n))
                 for r, n in zip(requests, sizes, strict=True)
             ]
-        ).to(device)  # [R, N_max]: one per node of each request's full shape, zero padded
+        )
+        uniforms = to_device(uniforms, device)  # [R, N_max]: one per node of each request's full shape, zero padded
         drafted = draft_tokens(
             self.pair.draft,
             self.d2t,

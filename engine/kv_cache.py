@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from sampling.transfer import to_device
+
 
 class KvCacheFull(Exception):
     """The pool has fewer free blocks than a reservation needs."""
@@ -107,7 +109,7 @@ class KvPool:
     def move(self, seq: PagedSeq, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy the KV of positions `src` to positions `dst` in every layer (an accepted
         tree path moving into line); all sources are read before any destination is written."""
-        slots = self.slots_at(seq, [*src, *dst]).to(self.kv.device)
+        slots = to_device(self.slots_at(seq, [*src, *dst]), self.kv.device)
         self.kv[:, :, slots[len(src) :]] = self.kv[:, :, slots[: len(src)]]
 
     def slots_at(self, seq: PagedSeq, positions: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -136,7 +138,7 @@ class BatchMeta:
     flat: torch.Tensor  # [N] int64: (r, i) -> r * Q + i, back from padded to flattened
 
     def to(self, device) -> BatchMeta:
-        return BatchMeta(*(t.to(device, non_blocking=True) for t in self.tensors()))
+        return BatchMeta(*(to_device(t, device) for t in self.tensors()))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.new_slots, self.key_slots, self.mask, self.query_index, self.flat)

@@ -22,6 +22,7 @@ from models.base import ChunkedImport, State, batch_positions, close_span, end_i
 from models.kv_import import KvWriter
 from models.llama import EAGER, LlamaCausalLM, compiled_pointwise
 from models.pair import ModelPair
+from sampling.transfer import pinned, to_device
 from sampling.tree import MAX_TREE_NODES
 
 BLOCK_SIZE = 16  # tokens per block: vLLM's default; small enough that waste per request is tiny
@@ -59,7 +60,7 @@ class _Graph:
             (tokens, positions, seq_lens, *meta.tensors()),
             strict=True,
         ):
-            static.copy_(host, non_blocking=True)
+            static.copy_(pinned(host), non_blocking=True)  # queued: the host does not wait
 
 
 class PagedLlamaLM(ChunkedImport):
@@ -141,14 +142,14 @@ class PagedLlamaLM(ChunkedImport):
                 logits = self._replay(seqs, lengths, tokens, positions, seq_lens, masks)
             else:
                 meta = batch_meta(self.pool, seqs, lengths, window, tree_masks=masks).to(self.device)
-                logits_at = (torch.tensor(lengths).cumsum(0) - 1).to(self.device) if last_only else None
+                logits_at = to_device(torch.tensor(lengths).cumsum(0) - 1, self.device) if last_only else None
                 logits = self.module(
-                    tokens.to(self.device),
-                    positions.to(self.device),
+                    to_device(tokens, self.device),
+                    to_device(positions, self.device),
                     PagedBatch(self.pool, meta, dense=dense),
                     logits_at=logits_at,
                     num_layers=self.num_layers,
-                    seq_lens=seq_lens.to(self.device),
+                    seq_lens=to_device(seq_lens, self.device),
                     ops=self.ops,
                 ).float()
         for seq, n in zip(seqs, lengths, strict=True):
@@ -273,7 +274,7 @@ class PagedLlamaLM(ChunkedImport):
 
     def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The live slots of each layer gathered into the wire layout, on the host."""
-        slots = self.pool.slots(state.kv, 0, state.kv.length).to(self.device)
+        slots = to_device(self.pool.slots(state.kv, 0, state.kv.length), self.device)
         tensors = []
         for index in range(len(self.kv_layout)):
             layer, kind = divmod(index, 2)

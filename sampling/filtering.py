@@ -15,11 +15,14 @@ from sampling.params import SamplingTensors
 
 def filtered_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """[N, V] logits (any float dtype) -> [N, V] float32 probabilities, rows sum to 1."""
+    if params.all_greedy:  # point masses only: no softmax or filter over V to throw away
+        return point_mass(logits.argmax(-1), logits.shape[-1])
     logits = logits.float() / params.temperature[:, None]  # [N, V]
-    needs_filter = (params.top_k > 0) | (params.top_p < 1)
-    if bool(needs_filter.any()):
+    if params.needs_filter:
         logits = logits.masked_fill(~_kept_mask(logits, params), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if not params.any_greedy:
+        return probs
     return torch.where(params.greedy[:, None], point_mass(logits.argmax(-1), logits.shape[-1]), probs)
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sampling.transfer import device_tensor
+
 FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32, ~1.18e-38
 
 
@@ -54,40 +56,51 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SamplingTensors:
-    """Per-row parameters of a batch, ready for vectorized filtering."""
+    """Per-row parameters of a batch, ready for vectorized filtering.
+
+    The flags are host-side summaries, so that no sampler reads a device tensor back to
+    choose its path (a host wait per step). Each is exact when it says "nothing to do"
+    (needs_filter False, any_greedy False, all_greedy True); a subset of rows (`select`)
+    keeps its parent's flags, which is safe: the general path gives the same result."""
 
     greedy: torch.Tensor  # [B] bool
     temperature: torch.Tensor  # [B] float32, 1 on greedy rows (never divided by 0)
     top_k: torch.Tensor  # [B] int64, 0 = disabled
     top_p: torch.Tensor  # [B] float32, 1 = disabled
+    needs_filter: bool = True  # some row has top-k or top-p
+    any_greedy: bool = True
+    all_greedy: bool = False
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:
         greedy = [p.is_greedy for p in params]
+        top_k = [p.top_k for p in params]
+        top_p = [p.effective_top_p for p in params]
         return cls(
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            temperature=torch.tensor(
-                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=False)],
-                dtype=torch.float32,
-                device=device,
+            greedy=device_tensor(greedy, torch.bool, device),
+            temperature=device_tensor(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=False)], torch.float32, device
             ),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.effective_top_p for p in params], dtype=torch.float32, device=device),
+            top_k=device_tensor(top_k, torch.int64, device),
+            top_p=device_tensor(top_p, torch.float32, device),
+            needs_filter=any(k > 0 for k in top_k) or any(p < 1 for p in top_p),
+            any_greedy=any(greedy),
+            all_greedy=all(greedy),
         )
 
     @property
     def do_sample(self) -> torch.Tensor:  # [B] bool
         return ~self.greedy
 
+    def _with(self, *tensors: torch.Tensor) -> SamplingTensors:
+        return SamplingTensors(*tensors, self.needs_filter, self.any_greedy, self.all_greedy)
+
     def select(self, rows: Sequence[int]) -> SamplingTensors:
-        index = torch.tensor(rows, dtype=torch.int64, device=self.greedy.device)
-        return SamplingTensors(self.greedy[index], self.temperature[index], self.top_k[index], self.top_p[index])
+        index = device_tensor(rows, torch.int64, self.greedy.device)
+        return self._with(self.greedy[index], self.temperature[index], self.top_k[index], self.top_p[index])
 
     def repeat_rows(self, repeats: int) -> SamplingTensors:
         """Each row repeated `repeats` times, for [B, K+1, V] flattened to [B*(K+1), V]."""
-        return SamplingTensors(
-            greedy=self.greedy.repeat_interleave(repeats),
-            temperature=self.temperature.repeat_interleave(repeats),
-            top_k=self.top_k.repeat_interleave(repeats),
-            top_p=self.top_p.repeat_interleave(repeats),
+        return self._with(
+            *(t.repeat_interleave(repeats) for t in (self.greedy, self.temperature, self.top_k, self.top_p))
         )

@@ -95,7 +95,7 @@ def propose_candidates(
     token_ids = torch.stack(ids, 1)  # [M, k]
     probs = torch.stack(laws, 1)  # [M, k, Vd]
     valid = torch.stack(valid, 1)
-    if bool(params.greedy.any()):
+    if params.any_greedy:
         greedy = params.greedy[:, None]
         top = _top_ids(logits, k)
         token_ids = torch.where(greedy, top, token_ids)
@@ -106,5 +106,8 @@ def propose_candidates(
 
 
 def _top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """[M, Vd] -> [M, k] int64 ids of the k largest logits, lower id first among equals."""
+    """[M, Vd] -> [M, k] int64 ids of the k largest logits, lower id first among equals
+    (argmax's rule too, and one pass over Vd where a sort is several)."""
+    if k == 1:
+        return logits.argmax(-1, keepdim=True)
     return logits.sort(dim=-1, descending=True, stable=True).indices[:, :k]

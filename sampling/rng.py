@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from sampling.transfer import to_device
+
 
 class RequestRng:
     """`stream` separates independent streams of one seed (the prefill and the decode node
@@ -38,4 +40,4 @@ def batch_uniforms(rngs: Sequence[RequestRng], n: int, device: torch.device | st
     """[B, n] float32: row b is the next n uniforms of rngs[b]."""
     if not rngs:
         return torch.empty(0, n, dtype=torch.float32, device=device)
-    return torch.stack([rng.uniforms(n) for rng in rngs]).to(device, non_blocking=True)
+    return to_device(torch.stack([rng.uniforms(n) for rng in rngs]), device)

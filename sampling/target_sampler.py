@@ -22,6 +22,10 @@ def sample_target(logits: torch.Tensor, params: SamplingTensors, uniforms: torch
     batch, positions, vocab = logits.shape
     rows = params.repeat_rows(positions)
     probs = filtered_probs(logits.reshape(batch * positions, vocab), rows)  # [B*(K+1), V]
-    token_ids, _ = inverse_cdf_sample(probs, uniforms.reshape(-1))  # rows sum to 1: always has mass
-    # Greedy rows hold a point mass at the argmax, so the draw above is already the argmax.
+    # Greedy rows hold a point mass at the argmax, so a draw from them is the argmax: with
+    # only such rows, the argmax of q is the draw without its cumulative sums over V.
+    if params.all_greedy:
+        token_ids = probs.argmax(-1)
+    else:
+        token_ids, _ = inverse_cdf_sample(probs, uniforms.reshape(-1))  # rows sum to 1: always has mass
     return TargetSample(probs.view(batch, positions, vocab), token_ids.view(batch, positions))

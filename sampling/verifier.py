@@ -23,6 +23,7 @@ from sampling.params import SamplingParams, SamplingTensors
 from sampling.rejection import Backend, RejectionSampler
 from sampling.rng import RequestRng, batch_uniforms
 from sampling.target_sampler import sample_target
+from sampling.transfer import device_tensor, to_device
 from sampling.tree import TreeResult, tree_rejection_sample
 
 
@@ -45,9 +46,20 @@ class VerifyResult:
 
     def emitted_rows(self) -> list[list[int]]:
         """Every row's emitted tokens, in order: one host transfer for the whole batch."""
-        tokens = self.output_token_ids.cpu().tolist()
-        counts = self.accepted_token_num.cpu().tolist()
-        return [row[:n] for row, n in zip(tokens, counts, strict=True)]
+        return self.host()[0]
+
+    def host(self) -> tuple[list[list[int]], list[list[int]] | None]:
+        """(every row's emitted tokens, every tree row's accepted nodes or None): the step's
+        one device -> host transfer."""
+        parts = [self.output_token_ids, self.accepted_token_num[:, None]]
+        if self.accepted_nodes is not None:
+            parts.append(self.accepted_nodes)
+        packed = torch.cat([p.to(torch.int64) for p in parts], 1).cpu().tolist()  # [B, K+2 (+N)]
+        width = self.output_token_ids.shape[1]
+        emitted = [row[: row[width]] for row in packed]
+        if self.accepted_nodes is None:
+            return emitted, None
+        return emitted, [row[width + 1 : width + row[width]] for row in packed]
 
     def emitted(self, row: int) -> list[int]:
         """The tokens row `row` emits this step, in order."""
@@ -63,13 +75,21 @@ class Verifier:
         device: torch.device | str = "cpu",
         sampler: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
         tree_sampler: Callable[..., TreeResult] | None = None,
+        *,
+        check_values: bool = True,
     ):
+        """check_values=False: callers whose draft ids were validated at their boundary skip
+        the samplers' value checks, each a host wait per step (ids and uniforms in range;
+        the kernels clamp ids either way, so no memory is touched out of bounds)."""
         self.device = torch.device(device)
         # `sampler` / `tree_sampler` replace the chain / tree rejection samplers (the tests
         # plug in deliberately biased ones).
-        self.sampler = sampler or RejectionSampler(backend, self.device)
-        backend_name = getattr(self.sampler, "backend", backend)
-        self.tree_sampler = tree_sampler or functools.partial(tree_rejection_sample, backend=backend_name)
+        chain = RejectionSampler(backend, self.device)
+        self.backend = chain.backend if sampler is None else "custom"  # what GetInfo reports
+        self.sampler = sampler or functools.partial(chain, check_values=check_values)
+        self.tree_sampler = tree_sampler or functools.partial(
+            tree_rejection_sample, backend=chain.backend, check_values=check_values
+        )
 
     def verify(
         self,
@@ -86,7 +106,7 @@ class Verifier:
         uniforms = batch_uniforms(rngs, 2 * (k + 1), self.device)  # [B, 2(K+1)]
         target = sample_target(target_logits, rows, uniforms[:, : k + 1])
         output, emitted = self.sampler(
-            draft_token_ids.to(self.device),
+            to_device(draft_token_ids, self.device),
             None if draft_probs is None else draft_probs.to(self.device),
             target.probs,
             target.token_ids,
@@ -127,25 +147,25 @@ class Verifier:
         recover_index = torch.zeros(batch, n + 1, dtype=torch.int64).scatter_reduce(
             1, (parents.cpu().long() + 1).clamp(min=0) * real, (node[None, :] + 1) * real, "amax"
         )
-        uniforms = uniforms.to(self.device)
+        uniforms = to_device(uniforms, self.device)
         rejection = uniforms[:, n + 1 :]  # [B, N+1]
         target = sample_target(target_logits, rows, uniforms[:, : n + 1].contiguous())
         result = self.tree_sampler(
-            draft_token_ids.to(self.device),
-            parents.to(self.device),
-            torch.tensor(list(num_nodes), dtype=torch.int64, device=self.device),
+            to_device(draft_token_ids, self.device),
+            to_device(parents, self.device),
+            device_tensor(list(num_nodes), torch.int64, self.device),
             None if draft_probs is None else draft_probs.to(self.device),
             target.probs,
             target.token_ids,
             rejection[:, :n].contiguous(),
-            rejection.gather(1, recover_index.to(self.device)),
+            rejection.gather(1, to_device(recover_index, self.device)),
             rows.do_sample,
         )
         emitted = result.accepted_token_num
         accepted = emitted.long() - 1
         stats = StepStats(
             do_sample=rows.do_sample,
-            draft_tokens=torch.tensor(list(num_nodes), dtype=torch.int64, device=self.device),
+            draft_tokens=device_tensor(list(num_nodes), torch.int64, self.device),
             accepted_tokens=accepted,
             accepted_per_position=torch.arange(n, device=self.device) < accepted[:, None],
         )

@@ -4,6 +4,8 @@ every KV block is back in the pool afterwards; the same for multi-draft trees.""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from concurrent import futures
 
 import pytest
@@ -110,3 +112,56 @@ def test_trees_on_the_gpu(gpu_pair, law):
             assert list(pool.map(seeded, range(16))) == solo
         wait_until(lambda: decode.engine.load == 0, what="engine idle")
         assert decode.engine.pair.target.pool.used_blocks == 0 and decode.engine.pair.draft.pool.used_blocks == 0
+
+
+@contextlib.contextmanager
+def host_waits():
+    """Every call in the block that makes the host wait for the GPU (torch's sync debug mode),
+    as 'file:line' of the Python line that made it."""
+    found: list[str] = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield found
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    found += [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("law", list(DraftLaw))
+@pytest.mark.parametrize("k", [0, 4])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_decode_step_waits_for_the_gpu_once_per_draft_depth(gpu_pair, law, k, sampled):
+    """The host reads the emitted tokens once per step and, drafting K tokens, the drafted ids
+    once per depth (they are fed back through the host); nothing else in a step waits for the
+    GPU, so the host queues a step's sampling while its forward runs."""
+    from decode_node.engine import DecodeEngine
+    from engine.paged_lm import paged_pair
+    from prefill_node.engine import PrefillEngine
+    from protos import pdspec_pb2
+    from protos.validation import Receiver, validate_decode_request
+
+    pair = paged_pair(gpu_pair, 64 << 20)
+    prefill = PrefillEngine(pair, PrefillConfig(device="cuda", draft_law=law))
+    decode = DecodeEngine(pair, DecodeConfig(device="cuda", draft_law=law, max_batch=4, max_speculative_tokens=4))
+    receiver = Receiver.from_contract(pair.contract(), 4)
+    sampling = pdspec_pb2.SamplingParams(do_sample=sampled, temperature=0.8, max_new_tokens=64)
+    requests = [
+        pdspec_pb2.GenerateRequest(
+            prompt_token_ids=list(range(3, 12 + 5 * i)), num_speculative_tokens=k, sampling=sampling
+        )
+        for i in range(3)
+    ]
+    for prefilled in prefill.prefill_many([prefill.check(r) for r in requests]):
+        wire = pdspec_pb2.DecodeRequest.FromString(prefilled.decode_request.SerializeToString())
+        decode.submit(validate_decode_request(wire, receiver))
+    decode.step()  # admission and the prefill's proposal
+    decode.step()  # graphs of the steady shapes captured
+    for _ in range(3):
+        with host_waits() as waits:
+            decode.step()
+        assert len(waits) == k + 1, waits
+    while decode.load:
+        decode.step()
+    assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
