@@ -292,7 +292,8 @@ def serve(pair: ModelPair, device: str, kv_bytes: int, max_batch: int = 64, k_ma
 
 def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy: bool, temperature: float = 1.0):
     """`batch` concurrent streams; returns (tokens/s over the whole run, accept length, ttfts,
-    inter-token gaps: each response's wait over its tokens, after the first response)."""
+    steady inter-token gaps: each response's wait over its tokens, once every stream has its
+    first token, so that no admission of another stream is inside a gap)."""
     results = [None] * batch
 
     def one(i: int) -> None:
@@ -312,12 +313,12 @@ def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy:
             if ttft is None:
                 ttft = now - started
             elif response.token_ids:
-                gaps += [(now - last) / len(response.token_ids)] * len(response.token_ids)
+                gaps.append((last, (now - last) / len(response.token_ids), len(response.token_ids)))
             last = now
             out += response.token_ids
             if response.finished:
                 stats = response.stats
-        results[i] = (len(out), ttft, stats, gaps)
+        results[i] = (len(out), ttft, stats, gaps, started + ttft)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
     start = time.perf_counter()
@@ -329,7 +330,8 @@ def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy:
     generated = sum(r[0] for r in results)
     steps = sum(r[2].verify_steps for r in results)
     accepted = sum(r[2].accepted_tokens for r in results)
-    gaps = [g for r in results for g in r[3]]
+    everyone = max(r[4] for r in results)  # when the last stream got its first token
+    gaps = [gap for r in results for since, gap, n in r[3] if since >= everyone for _ in range(n)]
     return generated / elapsed, ((accepted + steps) / steps if steps else None), [r[1] for r in results], gaps
 
 
@@ -441,7 +443,7 @@ def node_sections(args, env, rows, tables) -> None:
             for batch in args.batches:
                 load(client, batch, 8, 0, prompt, greedy=True)
                 tps, _, ttfts, gaps = load(client, batch, args.tokens, 0, prompt, greedy=True)
-                itl = statistics.median(gaps)
+                itl = statistics.median(gaps) if gaps else float("nan")
                 rows.append(
                     {"section": "nodes", "shape": shape, "batch": batch, "tokens_per_s": tps, "itl_p50_ms": itl * 1e3}
                 )
@@ -458,7 +460,14 @@ def node_sections(args, env, rows, tables) -> None:
                 print(table[-1], flush=True)
     finally:
         shutdown()
-    header = ["shape", "concurrent streams", "tokens/s (all)", "tokens/s per stream", "TTFT p50 ms", "ITL p50 ms"]
+    header = [
+        "shape",
+        "concurrent streams",
+        "tokens/s (all)",
+        "tokens/s per stream",
+        "TTFT p50 ms",
+        "steady ITL p50 ms",
+    ]
     tables.append(
         "### Both nodes over loopback gRPC, one process each (K = 0 greedy)\n\n" + markdown_table(header, table)
     )

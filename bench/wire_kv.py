@@ -87,7 +87,7 @@ class RssSampler(threading.Thread):
             time.sleep(0.005)
 
 
-def _serve(conn, max_tokens: int) -> None:
+def _serve(conn, max_tokens: int, device: str = "cpu") -> None:
     """The decode process: gRPC DecodeService + a raw receiver; ports sent back on `conn`."""
     from decode_node.engine import DecodeConfig, DecodeEngine, Event
     from decode_node.server import VALIDATED_FIELDS, DecodeServicer, server_options
@@ -104,7 +104,7 @@ def _serve(conn, max_tokens: int) -> None:
     spec = contract()
     blocks = 1 + -(-(max_tokens + BUDGET) // 16)
     pool = KvPool(
-        layers=LAYERS, kv_heads=HEADS, head_dim=DIM, num_blocks=blocks, block_size=16, dtype=DTYPE, device="cpu"
+        layers=LAYERS, kv_heads=HEADS, head_dim=DIM, num_blocks=blocks, block_size=16, dtype=DTYPE, device=device
     )
     # The import touches only the pool and the layout: a stand-in for the weights of the model.
     shape = SimpleNamespace(
@@ -116,7 +116,7 @@ def _serve(conn, max_tokens: int) -> None:
         eos_token_ids=(),
         kv_layout=spec.kv_layout,
         dtype=DTYPE,
-        device=torch.device("cpu"),
+        device=torch.device(device),
     )
     target = PagedLlamaLM(shape, pool, eager=True)
     sampler = RssSampler()  # after the pool: its pages are the KV itself, not extra
@@ -201,14 +201,14 @@ def _header(seq: int):
     )
 
 
-def kv_handoff(tokens: list[int], chunk_bytes: int, repeat: int) -> tuple[list[dict], str]:
+def kv_handoff(tokens: list[int], chunk_bytes: int, repeat: int, device: str = "cpu") -> tuple[list[dict], str]:
     from protos import pdspec_pb2, wire
     from protos.rpc import DecodeStub
     from protos.shm_kv import SharedKvSegment
 
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(child, max(tokens)), daemon=True)
+    proc = ctx.Process(target=_serve, args=(child, max(tokens), device), daemon=True)
     proc.start()
     grpc_port, raw_port = parent.recv()
     options = [("grpc.max_receive_message_length", LIMIT), ("grpc.max_send_message_length", LIMIT)]
@@ -348,10 +348,12 @@ def main() -> None:
     parser.add_argument("--kv-tokens", default="1024,4096,16384")
     parser.add_argument("--kv-chunk-bytes", type=int, default=4 << 20)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="where the decode side's KV pool lives (cuda: H2D import)")
     args = parser.parse_args()
     env = environment() | {"grpcio": grpc.__version__, "protobuf": google.protobuf.__version__}
     print("\n".join(f"{k}: {v}" for k, v in env.items()), flush=True)
-    rows, table = kv_handoff([int(t) for t in args.kv_tokens.split(",")], args.kv_chunk_bytes, args.repeat)
+    env["pool_device"] = args.device
+    rows, table = kv_handoff([int(t) for t in args.kv_tokens.split(",")], args.kv_chunk_bytes, args.repeat, args.device)
     print(table)
     print("wrote", write_results("wire_kv", env, rows, table))
 

@@ -126,14 +126,19 @@ class PagedLlamaLM(ChunkedImport):
         *,
         last_only: bool = False,
         parents: Sequence[Sequence[int]] | None = None,
+        device_tokens: torch.Tensor | None = None,
     ):
+        """device_tokens [sum of lengths] int64: the tokens' values, already on the device (ids
+        then only give the lengths, and their values are what the states record)."""
         lengths = [len(row) for row in ids]
         seqs = [s.kv for s in states]
         for seq, n in zip(seqs, lengths, strict=True):
             self.pool.reserve(seq, seq.length + n)  # within the admission reservation: takes nothing new
         window = self.config.sliding_window
         meta = batch_positions(states, ids, parents, window)
-        tokens = torch.tensor([t for row in ids for t in row], dtype=torch.int64)
+        tokens = (
+            torch.tensor([t for row in ids for t in row], dtype=torch.int64) if device_tokens is None else device_tokens
+        )
         positions, seq_lens, masks = meta.positions, meta.seq_lens, meta.masks
         dense = len(set(lengths)) == 1  # every row brings as many tokens
         uniform = dense and lengths[0] <= MAX_GRAPH_QUERIES and len(seqs) <= MAX_GRAPH_ROWS
@@ -260,11 +265,24 @@ class PagedLlamaLM(ChunkedImport):
         del state.tokens[length:]
 
     supports_trees = True
+    device_tokens = True  # extend_tree takes the tokens' values as a device tensor (drafting)
 
     def extend_tree(
-        self, states: Sequence[State], ids: Sequence[Sequence[int]], parents: Sequence[Sequence[int]]
+        self,
+        states: Sequence[State],
+        ids: Sequence[Sequence[int]],
+        parents: Sequence[Sequence[int]],
+        device_tokens: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
-        return live_rows(lambda s, rows, p: self._run(s, rows, parents=p), states, ids, parents, self._empty())
+        """device_tokens: the values of the flattened ids of the rows that bring any, on the
+        device (the ids' own values are then what the states record until the caller sets them)."""
+        return live_rows(
+            lambda s, rows, p: self._run(s, rows, parents=p, device_tokens=device_tokens),
+            states,
+            ids,
+            parents,
+            self._empty(),
+        )
 
     def accept_tree(self, state: State, keep: Sequence[int]) -> None:
         src, dst = close_span(state, keep)

@@ -11,7 +11,8 @@ Each request's uniforms are drawn up front from its own generator, one per node 
 full shape in breadth-first order (for either law), so a seeded request's stream never
 depends on the law, on its batch, or on candidates dropped where a law ran out of support.
 Drafts read TARGET-vocabulary ids (EAGLE-style): each drafted token is mapped through d2t
-(a device gather) before it is fed back; the host sees the drafted ids once per depth.
+(a device gather) before it is fed back, as a device tensor where the draft takes one; the
+host reads every depth's ids at once, after the last draft forward.
 
 Layout (the wire's and the verifier's): nodes in breadth-first order, siblings contiguous
 in draw order; parents[n] is the parent node's index, -1 for children of the last emitted
@@ -29,6 +30,7 @@ import torch
 from models.base import CausalLM, State
 from sampling import DraftToTargetMap, SamplingTensors, propose_candidates
 from sampling.proposal import DraftLaw
+from sampling.transfer import to_device
 from sampling.tree import MAX_TREE_NODES
 
 
@@ -77,8 +79,7 @@ class Drafted:
 @dataclass
 class _Node:
     full: int  # index in the full shape's breadth-first layout (its uniform)
-    draft_id: int
-    target_id: int
+    value: int  # where its (draft id, target id, valid) sit in the step's drawn values
     probs: torch.Tensor | None
     parent: int  # compact index of the parent, -1 = the last emitted token
 
@@ -96,7 +97,13 @@ def draft_tokens(
     """Row r: consume feeds[r] (target ids ending with the last emitted token) into states[r],
     then draft a tree of shapes[r]. uniforms [R, max nodes] on the sampling device (row r's
     first shape_nodes(shapes[r]) are its own); params for R rows. The draft states are left
-    with an open tree (the inner nodes) when a shape is deeper than 1: the caller closes it."""
+    with an open tree (the inner nodes) when a shape is deeper than 1: the caller closes it.
+
+    The drawn ids stay on the device until the end: a draft that takes its tree tokens as a
+    device tensor (`device_tokens`) is fed each depth without the host waiting for the draw,
+    and the host reads every depth's ids at once. Only a stochastic law drawing several
+    siblings must be read at once: it can run out of support, and the nodes it drops change
+    what the next depth feeds."""
     device = uniforms.device
     trees: list[list[_Node]] = [[] for _ in states]
     frontier: list[list[int]] = [[-1] for _ in states]  # row r's nodes at the current depth (-1: the root)
@@ -105,6 +112,8 @@ def draft_tokens(
         return [Drafted([], [], [], None) for _ in states]
     logits = draft.extend_batch([states[r] for r in rows], [feeds[r] for r in rows])
     context = {(r, -1): row[-1] for r, row in zip(rows, logits, strict=True)}  # (row, node) -> logits [Vd]
+    drawn: list[torch.Tensor] = []  # [3, n] (draft id, target id, valid) per draw, on the device
+    known = torch.empty(3, 0, dtype=torch.int64)  # the first columns of cat(drawn), on the host
     depth = 0
     while rows:
         # The children of every frontier node of every row, grouped by fan-out: one draw per group.
@@ -122,35 +131,61 @@ def draft_tokens(
             draws = torch.stack([uniforms[r, first : first + k] for r, _, first in group])  # [M, k]
             sample = propose_candidates(law, last, params.select([r for r, _, _ in group]), draws, k)
             mapped = d2t.map_tokens(sample.token_ids.to(d2t.d2t.device)).to(device)
-            ids, targets, valid = torch.stack([sample.token_ids, mapped, sample.valid.long()]).cpu().tolist()
+            offset = sum(d.shape[1] for d in drawn)
+            drawn.append(torch.stack([sample.token_ids, mapped, sample.valid.long()]).view(3, -1))  # [3, M*k]
+            may_drop = law is DraftLaw.STOCHASTIC and k > 1
+            if may_drop or not getattr(draft, "device_tokens", False):
+                known = torch.cat(drawn, 1).cpu()  # the host needs these values now
             for m, (r, parent, first) in enumerate(group):
                 for c in range(k):
-                    if valid[m][c]:
+                    value = offset + m * k + c
+                    if not may_drop or known[2, value]:
                         probs = None if sample.probs is None else sample.probs[m, c]
-                        trees[r].append(_Node(first + c, ids[m][c], targets[m][c], probs, parent))
+                        trees[r].append(_Node(first + c, value, probs, parent))
                         children[r].append(len(trees[r]) - 1)
         depth += 1
         rows = [r for r in rows if depth < len(shapes[r]) and children[r]]
         if not rows:
             break
         # Feed this depth's nodes as tree tokens: the next depth's contexts.
-        fed = draft.extend_tree(
-            [states[r] for r in rows],
-            [[trees[r][n].target_id for n in children[r]] for r in rows],
-            [[trees[r][n].parent for n in children[r]] for r in rows],
-        )
+        values = [[trees[r][n].value for n in children[r]] for r in rows]
+        parents = [[trees[r][n].parent for n in children[r]] for r in rows]
+        if known.shape[1] == sum(d.shape[1] for d in drawn):  # on the host already
+            fed = draft.extend_tree([states[r] for r in rows], [known[1, v].tolist() for v in values], parents)
+        else:
+            order = torch.tensor([v for row in values for v in row], dtype=torch.int64)
+            tokens = torch.cat(drawn, 1)[1][to_device(order, device)]  # [N] target ids, on the device
+            placeholders = [[-2 - v for v in row] for row in values]  # -2 - value: set when the host reads it
+            fed = draft.extend_tree([states[r] for r in rows], placeholders, parents, device_tokens=tokens)
         for r, row_logits in zip(rows, fed, strict=True):
             for n, node_logits in zip(children[r], row_logits, strict=True):
                 context[(r, n)] = node_logits
             frontier[r] = children[r]
-    return [_drafted(tree) for tree in trees]
+    if known.shape[1] < sum(d.shape[1] for d in drawn):
+        known = torch.cat(drawn, 1).cpu()  # the one read of the deferred draws
+    ids = known.tolist()
+    if not all(ids[2][n.value] for tree in trees for n in tree):  # a draw kept unread found no mass
+        raise RuntimeError("draft: a single-candidate draw found no probability mass (non-finite draft logits)")
+    for state in states:  # the tree tokens fed from the device, in their values now
+        _resolve(state, ids[1])
+    return [_drafted(tree, ids) for tree in trees]
 
 
-def _drafted(tree: list[_Node]) -> Drafted:
+def _resolve(state: State, target_ids: list[int]) -> None:
+    """Replace the placeholders (-2 - value) of tree tokens fed from the device by their ids."""
+    if state.tree is None:
+        return
+    tokens = state.tokens
+    for i in range(state.tree.base, len(tokens)):
+        if tokens[i] < 0:
+            tokens[i] = target_ids[-2 - tokens[i]]
+
+
+def _drafted(tree: list[_Node], ids: list[list[int]]) -> Drafted:
     probs = [n.probs for n in tree]
     return Drafted(
-        [n.draft_id for n in tree],
-        [n.target_id for n in tree],
+        [ids[0][n.value] for n in tree],
+        [ids[1][n.value] for n in tree],
         [n.parent for n in tree],
         torch.stack(probs) if tree and probs[0] is not None else None,
     )

@@ -188,7 +188,9 @@ class CausalLM(Protocol):
         """Keep the first `length` consumed tokens (drop rejected positions)."""
 
     # Candidate trees (multi-draft). A model that cannot mask attention by ancestry sets
-    # supports_trees = False and the nodes then draft chains only.
+    # supports_trees = False and the nodes then draft chains only. A model whose extend_tree
+    # takes the tokens' values as a device tensor (`device_tokens=`) sets device_tokens = True
+    # (engine/paged_lm.py): drafting then feeds it without reading each depth back.
     supports_trees: bool
 
     def extend_tree(

@@ -13,8 +13,11 @@ import torch
 
 
 def pinned(tensor: torch.Tensor) -> torch.Tensor:
-    """A host tensor in pinned memory when a GPU is present (itself where none is)."""
-    return tensor.pin_memory() if torch.cuda.is_available() and not tensor.is_pinned() else tensor
+    """A host tensor in pinned memory when a GPU is present (a device tensor, or any tensor
+    where no GPU is, as it is)."""
+    if tensor.device.type != "cpu" or not torch.cuda.is_available() or tensor.is_pinned():
+        return tensor
+    return tensor.pin_memory()
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
