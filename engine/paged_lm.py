@@ -37,30 +37,46 @@ _CAPTURE_LOCK = threading.Lock()
 
 
 class _Graph:
-    """One captured forward and its static inputs/outputs."""
+    """One captured forward and its static inputs/outputs. The integer inputs are views of ONE
+    device buffer, so that a replay's inputs arrive in one host -> device copy (and the mask
+    in a second): each copy costs the host more than the data does."""
 
     def __init__(self, rows: int, queries: int, width: int, device) -> None:
         n = rows * queries
-        self.tokens = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
+        sizes = (n, n, n, rows * width, n, n, n)  # positions, seq_lens, new_slots, key_slots, query_index, flat, tokens
+        self.ints = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
+        positions, self.seq_lens, new_slots, key_slots, query_index, flat, self.tokens = self.ints.split(sizes)
+        self.positions = positions
+        self.seq_lens.fill_(1)
+        query_index.copy_(torch.arange(n))
+        flat.copy_(torch.arange(n))
         self.meta = BatchMeta(
-            new_slots=torch.zeros(n, dtype=torch.int64, device=device),  # the scratch slot
-            key_slots=torch.zeros(rows, width, dtype=torch.int64, device=device),
+            new_slots=new_slots,  # the scratch slot
+            key_slots=key_slots.view(rows, width),
             mask=torch.ones(rows, 1, queries, width, dtype=torch.bool, device=device),
-            query_index=torch.arange(n, device=device).view(rows, queries),
-            flat=torch.arange(n, device=device),
+            query_index=query_index.view(rows, queries),
+            flat=flat,
         )
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
 
     def fill(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, meta: BatchMeta) -> None:
-        for static, host in zip(
-            (self.tokens, self.positions, self.seq_lens, *self.meta.tensors()),
-            (tokens, positions, seq_lens, *meta.tensors()),
-            strict=True,
-        ):
-            static.copy_(pinned(host), non_blocking=True)  # queued: the host does not wait
+        """Host inputs in one copy each (queued: the host does not wait); `tokens` may already
+        be on the device (drafting), then it is copied there."""
+        parts = [
+            positions,
+            seq_lens,
+            meta.new_slots,
+            meta.key_slots.reshape(-1),
+            meta.query_index.reshape(-1),
+            meta.flat,
+        ]
+        on_host = tokens.device.type == "cpu"
+        host = torch.cat([*parts, tokens] if on_host else parts)
+        self.ints[: host.numel()].copy_(pinned(host), non_blocking=True)
+        if not on_host:
+            self.tokens.copy_(tokens)
+        self.meta.mask.copy_(pinned(meta.mask), non_blocking=True)
 
 
 class PagedLlamaLM(ChunkedImport):

@@ -47,6 +47,8 @@ class DraftToTargetMap:
 
     def map_tokens(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft ids (any shape, integer) -> target ids (same shape, int64)."""
+        if self.is_identity:  # a layer-skip draft: no gather on the drafting path
+            return draft_ids.long()
         return self.d2t[draft_ids.long()]
 
     def map_probs(self, draft_probs: torch.Tensor) -> torch.Tensor:

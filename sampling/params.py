@@ -96,6 +96,8 @@ class SamplingTensors:
         return SamplingTensors(*tensors, self.needs_filter, self.any_greedy, self.all_greedy)
 
     def select(self, rows: Sequence[int]) -> SamplingTensors:
+        if list(rows) == list(range(self.greedy.shape[0])):
+            return self  # every row in order (a chain step of the whole batch)
         index = device_tensor(rows, torch.int64, self.greedy.device)
         return self._with(self.greedy[index], self.temperature[index], self.top_k[index], self.top_p[index])
 
