@@ -45,8 +45,7 @@ class _Graph:
         n = rows * queries
         sizes = (n, n, n, rows * width, n, n, n)  # positions, seq_lens, new_slots, key_slots, query_index, flat, tokens
         self.ints = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
-        positions, self.seq_lens, new_slots, key_slots, query_index, flat, self.tokens = self.ints.split(sizes)
-        self.positions = positions
+        self.positions, self.seq_lens, new_slots, key_slots, query_index, flat, self.tokens = self.ints.split(sizes)
         self.seq_lens.fill_(1)
         query_index.copy_(torch.arange(n))
         flat.copy_(torch.arange(n))

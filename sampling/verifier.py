@@ -44,10 +44,6 @@ class VerifyResult:
     stats: StepStats
     accepted_nodes: torch.Tensor | None = None  # trees: [B, N] int32 node of each accepted token, -1 after
 
-    def emitted_rows(self) -> list[list[int]]:
-        """Every row's emitted tokens, in order: one host transfer for the whole batch."""
-        return self.host()[0]
-
     def host(self) -> tuple[list[list[int]], list[list[int]] | None]:
         """(every row's emitted tokens, every tree row's accepted nodes or None): the step's
         one device -> host transfer."""
