@@ -103,7 +103,9 @@ def draft_tokens(
     device tensor (`device_tokens`) is fed each depth without the host waiting for the draw,
     and the host reads every depth's ids at once. Only a stochastic law drawing several
     siblings must be read at once: it can run out of support, and the nodes it drops change
-    what the next depth feeds."""
+    what the next depth feeds. A single draw fed unread that found no mass (non-finite
+    logits) keeps its node with a one-hot law at the id it was fed: a proposal of a known
+    law, so verification stays exact."""
     device = uniforms.device
     trees: list[list[_Node]] = [[] for _ in states]
     frontier: list[list[int]] = [[-1] for _ in states]  # row r's nodes at the current depth (-1: the root)
@@ -164,8 +166,11 @@ def draft_tokens(
     if known.shape[1] < sum(d.shape[1] for d in drawn):
         known = torch.cat(drawn, 1).cpu()  # the one read of the deferred draws
     ids = known.tolist()
-    if not all(ids[2][n.value] for tree in trees for n in tree):  # a draw kept unread found no mass
-        raise RuntimeError("draft: a single-candidate draw found no probability mass (non-finite draft logits)")
+    for tree in trees:
+        for node in tree:
+            if not ids[2][node.value]:  # a draw fed unread found no mass (non-finite draft logits):
+                node.probs = torch.zeros_like(node.probs)  # it proposes the id it was fed, a point mass
+                node.probs[ids[0][node.value]] = 1.0
     for state in states:  # the tree tokens fed from the device, in their values now
         _resolve(state, ids[1])
     return [_drafted(tree, ids) for tree in trees]

@@ -83,3 +83,43 @@ def test_device_fed_drafting_equals_host_fed(pair, law, kind):
         if a.probs is not None:
             assert torch.equal(a.probs, b.probs)
     assert pair.draft.pool.used_blocks == 0
+
+
+class NanDraft:
+    """The paged draft with non-finite logits: no draw of a stochastic law finds mass."""
+
+    device_tokens = True
+
+    def __init__(self, model) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def extend_batch(self, states, ids):
+        return [row * float("nan") for row in self._model.extend_batch(states, ids)]
+
+    def extend_tree(self, states, ids, parents, device_tokens=None):
+        return [row * float("nan") for row in self._model.extend_tree(states, ids, parents, device_tokens)]
+
+
+def test_a_draw_without_mass_fed_unread_proposes_a_point_mass(pair):
+    state = pair.draft.prefill(list(range(5, 14)))[1]
+    pair.draft.reserve(state, 40)
+    try:
+        (drafted,) = draft_tokens(
+            NanDraft(pair.draft),
+            pair.d2t,
+            DraftLaw.STOCHASTIC,
+            [state],
+            [[14]],
+            [(1, 1, 1)],
+            SamplingTensors.from_params([SamplingParams(do_sample=True)]),
+            torch.rand(1, 3, generator=torch.Generator().manual_seed(0)),
+        )
+    finally:
+        pair.draft.release(state)
+    assert drafted.parents == [-1, 0, 1] and len(drafted.draft_ids) == 3
+    one_hot = torch.zeros(3, pair.draft.vocab_size)
+    one_hot[torch.arange(3), torch.tensor(drafted.draft_ids)] = 1.0
+    assert torch.equal(drafted.probs, one_hot)
