@@ -61,6 +61,8 @@ bench-gpu: $(STAMP)
 	$(PY) bench/kernel.py
 	$(PY) bench/tree_kernel.py
 	$(PY) bench/gpu_e2e.py
+	$(PY) bench/decode_step.py --batches 1,8,32,64
+	$(PY) bench/attention.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
