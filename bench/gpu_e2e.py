@@ -228,9 +228,18 @@ def engine_sections(args, env, rows, tables) -> None:
     tables.append("### Engine step (K = 0, eager)\n\n" + markdown_table(header, table))
 
 
-def serve(pair: ModelPair, device: str, kv_bytes: int, max_batch: int = 64, k_max: int = 8, law=None):
+def serve(
+    pair: ModelPair,
+    device: str,
+    kv_bytes: int,
+    max_batch: int = 64,
+    k_max: int = 8,
+    law=None,
+    prefill_options: dict | None = None,
+):
     """Both nodes in this process on one device (loopback gRPC); returns (client, stack, prefill,
-    decode). `law`: the draft law of both nodes (None: their default, point mass)."""
+    decode). `law`: the draft law of both nodes (None: their default, point mass);
+    `prefill_options`: PrefillConfig fields (default: every KV in the one Decode message)."""
 
     from decode_node.engine import DecodeConfig
     from decode_node.server import DecodeNodeConfig
@@ -276,7 +285,7 @@ def serve(pair: ModelPair, device: str, kv_bytes: int, max_batch: int = 64, k_ma
                     limits=limits,
                     max_speculative_tokens=k_max,
                     draft_law=law,
-                    kv_stream_threshold_bytes=1 << 40,
+                    **(prefill_options or {"kv_stream_threshold_bytes": 1 << 40}),
                 ),
                 peer_check_s=0.1,
                 max_streams=512,

@@ -132,15 +132,20 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
         outcome[0] = status_code(violations).name
         context.abort_with_status(to_grpc_status(violations, request_id))
 
-    def _validated(self, request: ParsedDecodeRequest, context, outcome, kv_manifest=None) -> DecodeInput:
+    def _validated(
+        self, request: ParsedDecodeRequest, context, outcome, kv_manifest=None, *, proposal_follows: bool = False
+    ) -> DecodeInput:
         if request.error is not None:
             self._reject([request.error], "", context, outcome)
-        result = validate_decode_request(request.header, self.receiver, request.payloads, kv_manifest)
+        result = validate_decode_request(
+            request.header, self.receiver, request.payloads, kv_manifest, proposal_follows=proposal_follows
+        )
         if not isinstance(result, DecodeInput):
             self._reject(result, request.request_id, context, outcome)
-        self.metrics.proposal_bytes.labels("decode", ENCODING_LABELS[request.header.proposal.encoding]).inc(
-            request.proposal_bytes
-        )
+        if not proposal_follows:  # counted with the proposal, from the stream's last chunk
+            self.metrics.proposal_bytes.labels("decode", ENCODING_LABELS[request.header.proposal.encoding]).inc(
+                request.proposal_bytes
+            )
         return result
 
     def _decode(self, request: ParsedDecodeRequest, context):
@@ -173,7 +178,8 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
             try:
                 if not (yield from self._reserved(handle, context, outcome)):
                     return
-                if not (yield from self._upload(handle, chunks, first.manifest, context, outcome)):
+                tail = first.request if first.proposal_follows else None
+                if not (yield from self._upload(handle, chunks, first.manifest, context, outcome, tail)):
                     return  # the client went away mid-upload: what was reserved is freed below
                 yield from self._generate(handle, context, started, outcome)
             finally:
@@ -198,7 +204,7 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
         if first.kv is not None:
             rid = first.request.request_id
             self._reject([Violation("kv", "no KV slice in the first chunk", "a slice")], rid, context, outcome)
-        return self._validated(first.request, context, outcome, first.manifest)
+        return self._validated(first.request, context, outcome, first.manifest, proposal_follows=first.proposal_follows)
 
     def _submit(self, result: DecodeInput, context, outcome: list[str], *, streamed: bool = False) -> Request:
         try:
@@ -216,10 +222,20 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
             yield pdspec_pb2.GenerateResponse(request_id=handle.input.request_id)
         return True
 
-    def _upload(self, handle: Request, chunks: Iterator[ParsedChunk], manifest, context, outcome: list[str]):
+    def _upload(
+        self,
+        handle: Request,
+        chunks: Iterator[ParsedChunk],
+        manifest,
+        context,
+        outcome: list[str],
+        header: ParsedDecodeRequest | None = None,
+    ):
         """Write each KV slice into the reserved storage as it arrives; any gap, overlap or
         overrun is INVALID_ARGUMENT; False if the call ended first. Heartbeats go out meanwhile:
-        an upload of gigabytes takes seconds, longer than the prefill's relay watchdog waits."""
+        an upload of gigabytes takes seconds, longer than the prefill's relay watchdog waits.
+        `header`: the first chunk's request when its proposal follows; the last chunk then
+        brings first_token_id and the proposal, validated with the header (`_proposal`)."""
         rid = handle.input.request_id
         sizes = [declared_bytes(pb) for pb in manifest]
         got = [0] * len(sizes)
@@ -232,6 +248,13 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
                 return False
             if chunk is None:
                 break
+            if header is not None and chunk.error is None and chunk.request is not None:
+                if got != sizes:  # the proposal comes after the KV: the engine may start at once
+                    problem = Violation("request", "the proposal after every KV byte", f"{sum(got)} bytes in")
+                    self._reject([problem], rid, context, outcome)
+                handle.input = self._proposal(handle, header, chunk, manifest, context, outcome)
+                header = None
+                continue
             problem = chunk.error
             if problem is None and (chunk.kv is None or chunk.request is not None or chunk.manifest):
                 problem = Violation("kv", "a chunk with a KV slice only", "a request, manifest or nothing")
@@ -252,9 +275,11 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
                 sent = time.monotonic()
                 yield pdspec_pb2.GenerateResponse(request_id=rid)
         missing = [i for i, size in enumerate(sizes) if got[i] != size]
-        if missing and _ends(context):
+        if (missing or header is not None) and _ends(context):
             outcome[0] = ended_status(context)
             return False
+        if header is not None and not missing:
+            self._reject([Violation("request", "a last chunk with the proposal", "none")], rid, context, outcome)
         if missing:
             i = missing[0]
             self._reject(
@@ -266,6 +291,28 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
         self.metrics.kv_bytes.labels("decode").inc(sum(got))
         self.engine.imported(handle)
         return True
+
+    def _proposal(
+        self, handle: Request, header: ParsedDecodeRequest, last: ParsedChunk, manifest, context, outcome
+    ) -> DecodeInput:
+        """The request a proposal-last stream makes: its header with the last chunk's
+        first_token_id and proposal, validated as one; its KV positions must be within what
+        was reserved for the header."""
+        merged = pdspec_pb2.DecodeRequest()
+        merged.CopyFrom(header.header)
+        merged.first_token_id = last.request.header.first_token_id
+        merged.proposal.CopyFrom(last.request.header.proposal)
+        request = ParsedDecodeRequest(merged, last.request.payloads, None, last.wire_bytes, last.request.proposal_bytes)
+        result = self._validated(request, context, outcome, manifest)
+        reserved, needed = self.engine.kv_tokens(handle.input), self.engine.kv_tokens(result)
+        if needed > reserved:
+            problem = Violation(
+                "proposal.token_ids",
+                f"a proposal within the {reserved} KV positions reserved for the header",
+                f"{len(result.draft_token_ids)} nodes ({needed} positions)",
+            )
+            self._reject([problem], handle.input.request_id, context, outcome)
+        return result
 
     def _import_shared(self, handle: Request, shared: pdspec_pb2.SharedKv, context, outcome: list[str]):
         """Import a validated shared-memory KV from its mapping, a slice at a time (heartbeats between)."""

@@ -142,9 +142,11 @@ class PagedLlamaLM(ChunkedImport):
         last_only: bool = False,
         parents: Sequence[Sequence[int]] | None = None,
         device_tokens: torch.Tensor | None = None,
+        after_layer=None,
     ):
         """device_tokens [sum of lengths] int64: the tokens' values, already on the device (ids
-        then only give the lengths, and their values are what the states record)."""
+        then only give the lengths, and their values are what the states record). after_layer(i):
+        called when layer i's KV is in the pool (an eager forward)."""
         lengths = [len(row) for row in ids]
         seqs = [s.kv for s in states]
         for seq, n in zip(seqs, lengths, strict=True):
@@ -158,7 +160,7 @@ class PagedLlamaLM(ChunkedImport):
         dense = len(set(lengths)) == 1  # every row brings as many tokens
         uniform = dense and lengths[0] <= MAX_GRAPH_QUERIES and len(seqs) <= MAX_GRAPH_ROWS
         with torch.inference_mode():
-            if self.graphs and uniform and not last_only:
+            if self.graphs and uniform and not last_only and after_layer is None:
                 logits = self._replay(seqs, lengths, tokens, positions, seq_lens, masks)
             else:
                 meta = batch_meta(self.pool, seqs, lengths, window, tree_masks=masks).to(self.device)
@@ -171,6 +173,7 @@ class PagedLlamaLM(ChunkedImport):
                     num_layers=self.num_layers,
                     seq_lens=to_device(seq_lens, self.device),
                     ops=self.ops,
+                    after_layer=after_layer,
                 ).float()
         for seq, n in zip(seqs, lengths, strict=True):
             seq.length += n
@@ -269,9 +272,12 @@ class PagedLlamaLM(ChunkedImport):
     def empty_state(self) -> State:
         return State(tokens=[], kv=PagedSeq())
 
-    def extend_last(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> torch.Tensor:
-        """[R, V]: the last position's logits of each row (prefill chunks: no other logits)."""
-        return self._run(states, [list(row) for row in ids], last_only=True)
+    def extend_last(self, states: Sequence[State], ids: Sequence[Sequence[int]], after_layer=None) -> torch.Tensor:
+        """[R, V]: the last position's logits of each row (prefill chunks: no other logits).
+        after_layer(i): called once layer i's KV of these tokens is in the pool."""
+        return self._run(states, [list(row) for row in ids], last_only=True, after_layer=after_layer)
+
+    layer_export = True  # extend_last(after_layer=), kv_slots and export_tensor: the KV shipped layer by layer
 
     def truncate(self, state: State, length: int) -> None:
         if not 0 <= length <= len(state.tokens):
@@ -307,13 +313,19 @@ class PagedLlamaLM(ChunkedImport):
 
     def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The live slots of each layer gathered into the wire layout, on the host."""
-        slots = to_device(self.pool.slots(state.kv, 0, state.kv.length), self.device)
-        tensors = []
-        for index in range(len(self.kv_layout)):
-            layer, kind = divmod(index, 2)
-            live = self.pool.kv[layer, kind].index_select(0, slots).transpose(0, 1)  # [Hkv, length, D]
-            tensors.append(live.contiguous().cpu() if out is None else out[index].copy_(live))
-        return tensors
+        slots = self.kv_slots(state, state.kv.length)
+        return [self.export_tensor(slots, i, None if out is None else out[i]) for i in range(len(self.kv_layout))]
+
+    def kv_slots(self, state: State, length: int) -> torch.Tensor:
+        """[length] int64 on the device: the pool slots of the state's positions 0..length-1."""
+        return to_device(self.pool.slots(state.kv, 0, length), self.device)
+
+    def export_tensor(self, slots: torch.Tensor, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Wire KV tensor `index` (layer index // 2, keys or values) of the positions in `slots`
+        ([n] int64 on the device): [Hkv, n, D] on the host, or copied into `out`."""
+        layer, kind = divmod(index, 2)
+        live = self.pool.kv[layer, kind].index_select(0, slots).transpose(0, 1)  # [Hkv, n, D]
+        return live.contiguous().cpu() if out is None else out.copy_(live)
 
     def begin_import(self, tokens: Sequence[int], reserve: int) -> State:
         """Blocks for `reserve` positions, taken at once (KvCacheFull and nothing taken if the pool

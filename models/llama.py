@@ -400,18 +400,22 @@ class LlamaForCausalLM(nn.Module):
         num_layers: int | None = None,
         seq_lens: torch.Tensor | None = None,
         ops: Pointwise = EAGER,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """tokens, positions [N] int64 -> logits [len(logits_at) or N, V] in the model dtype.
 
         num_layers: run only the first N decoder layers, then the final norm and head (a
         layer-skip draft sharing these weights). seq_lens [N]: each token's row length after
-        this forward; only dynamic-NTK RoPE reads it (None = one row)."""
+        this forward; only dynamic-NTK RoPE reads it (None = one row). after_layer(i): called
+        once layer i's keys and values are in `kv` (the prefill node ships them meanwhile)."""
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         x = self.model.embed_tokens(tokens)  # [N, hidden]
         cos, sin = rope_cos_sin(self.config, self.inv_freq, positions, seq_lens, x.dtype)
         residual = None
         for index, layer in enumerate(layers):
             x, residual = layer(index, x, residual, cos, sin, kv, ops)
+            if after_layer is not None:
+                after_layer(index)
         if logits_at is not None:  # the head is the largest matmul: only where logits are needed
             x, residual = x[logits_at], residual[logits_at]
         norm = self.model.norm

@@ -42,6 +42,12 @@ def build_parser():
     parser.add_flag("--kv-stream-threshold-bytes", default=64 << 20, type=int, help="stream a KV larger than this")
     parser.add_flag("--kv-chunk-bytes", default=4 << 20, type=int, help="bytes of KV per DecodeStream chunk")
     parser.add_flag(
+        "--kv-layerwise",
+        default=False,
+        type=bool,
+        help="send a streamed KV layer by layer while the prefill runs (DecodeStream, proposal last)",
+    )
+    parser.add_flag(
         "--kv-transport",
         default="grpc",
         choices=[t.value for t in KvTransport],
@@ -111,6 +117,7 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
         kv_streaming=args.kv_streaming,
         kv_stream_threshold_bytes=args.kv_stream_threshold_bytes,
         kv_chunk_bytes=args.kv_chunk_bytes,
+        kv_layerwise=args.kv_layerwise,
         kv_transport=KvTransport(args.kv_transport),
         max_speculative_tokens=args.max_speculative_tokens,
         num_speculative_tokens=args.num_speculative_tokens,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
+import queue
 import threading
 import uuid
 from collections.abc import Sequence
@@ -24,6 +26,7 @@ from models.base import State
 from models.pair import ModelPair
 from pdspec.stopping import finish_reason
 from protos import pdspec_pb2
+from protos.codec import WIRE_DTYPES
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
 from protos.shm_kv import SharedKvSegment
 from protos.validation import (
@@ -62,6 +65,8 @@ class PrefillConfig:
     kv_streaming: bool = False
     kv_stream_threshold_bytes: int = 64 << 20
     kv_chunk_bytes: int = 4 << 20
+    # A streamed KV goes layer by layer while the prefill runs (DecodeStream, proposal last)
+    kv_layerwise: bool = False
     kv_transport: KvTransport = KvTransport.GRPC
     max_speculative_tokens: int = 8  # lowered to the decode peer's when it reports less
     num_speculative_tokens: int = 4  # K of a request that does not say (clamped to the maximum)
@@ -111,6 +116,7 @@ class Prefilled:
     encoding: ProposalEncoding | None
     kv: list[torch.Tensor] = field(default_factory=list)  # the exported KV (the wire's payloads view it)
     shm: SharedKvSegment | None = None  # --kv-transport shm: the KV's segment instead (the caller unlinks it)
+    sent_bytes: int = 0  # KV bytes already handed to the caller's sink (layer by layer)
 
     @property
     def decode_request(self) -> pdspec_pb2.DecodeRequest | None:
@@ -119,7 +125,8 @@ class Prefilled:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv) + (sum(self.shm.handle.lengths) if self.shm else 0)
+        shm = sum(self.shm.handle.lengths) if self.shm else 0
+        return sum(t.numel() * t.element_size() for t in self.kv) + shm + self.sent_bytes
 
 
 class PrefillEngine:
@@ -197,11 +204,31 @@ class PrefillEngine:
             request.request_id or uuid.uuid4().hex, ids, k, candidates, sampling.max_new_tokens, params, sampling
         )
 
-    def prefill(self, checked: Checked) -> Prefilled:
-        """Run a checked request up to the DecodeRequest (or to its end)."""
-        return self.prefill_many([checked])[0]
+    def prefill(self, checked: Checked, sink: queue.Queue | None = None) -> Prefilled:
+        """Run a checked request up to the DecodeRequest (or to its end). `sink` (see
+        `layerwise`): the KV goes there as it is computed, as (tensor index, host tensor), then
+        the proposal (the returned `wire`, first_token_id and proposal only), or None when
+        the request ends at its first token or fails: protos.wire.layered_chunks reads it."""
+        return self.prefill_many([checked], [sink])[0]
 
-    def prefill_many(self, checked: Sequence[Checked]) -> list[Prefilled]:
+    def layerwise(self, checked: Checked) -> bool:
+        """Whether this request's KV is sent as it is computed (`prefill(sink=)`): a streamed
+        KV (kv_streaming or over the threshold) over gRPC, with --kv-layerwise."""
+        layout = self.pair.target.kv_layout
+        size = sum(math.prod(spec.shape_for(len(checked.ids))) * spec.dtype.itemsize for spec in layout)
+        config = self.config
+        return config.kv_layerwise and config.kv_transport is KvTransport.GRPC and bool(layout) and self.streams(size)
+
+    def stream_header(self, checked: Checked) -> tuple[WireDecodeRequest, list[pdspec_pb2.TensorPB]]:
+        """The first DecodeStream chunk of a layer-by-layer request: its DecodeRequest without
+        first token and proposal, and the KV manifest."""
+        manifest = [
+            pdspec_pb2.TensorPB(data_type=WIRE_DTYPES[spec.dtype], shape=list(spec.shape_for(len(checked.ids))))
+            for spec in self.pair.target.kv_layout
+        ]
+        return WireDecodeRequest(self._header(checked)), manifest
+
+    def prefill_many(self, checked: Sequence[Checked], sinks: Sequence[queue.Queue | None] = ()) -> list[Prefilled]:
         """Run checked requests up to their DecodeRequests (or to their ends), in order.
 
         Concurrent callers are batched: each queues its jobs, and whichever caller holds the
@@ -209,7 +236,10 @@ class PrefillEngine:
         ragged prompts, chunked so a step takes at most `max_prefill_tokens` prompt tokens,
         then the first tokens, the drafts and the KV exports of the finished ones). A failed
         job fails the call after every job has ended (the first error is raised)."""
-        jobs = [_Job(c, RequestRng(c.params.seed, stream="prefill")) for c in checked]
+        sinks = list(sinks) or [None] * len(checked)
+        jobs = [
+            _Job(c, RequestRng(c.params.seed, stream="prefill"), sink=s) for c, s in zip(checked, sinks, strict=True)
+        ]
         with self._jobs_lock:
             self._jobs.extend(jobs)
         for job in jobs:
@@ -249,7 +279,18 @@ class PrefillEngine:
         if not chosen:
             return
         try:
-            last = target.extend_last([job.state for job in chosen], chunks)  # [R, V]
+            # Jobs whose prompt ends in this step and whose KV goes out as it is computed.
+            shipping = [
+                job
+                for job, chunk in zip(chosen, chunks, strict=True)
+                if job.sink is not None and job.consumed + len(chunk) == len(job.checked.ids)
+            ]
+            if shipping and getattr(target, "layer_export", False):
+                last = target.extend_last(  # [R, V]
+                    [job.state for job in chosen], chunks, after_layer=self._shipper(shipping)
+                )
+            else:
+                last = target.extend_last([job.state for job in chosen], chunks)  # [R, V]
             done = []
             for row, (job, chunk) in enumerate(zip(chosen, chunks, strict=True)):
                 job.consumed += len(chunk)
@@ -288,6 +329,9 @@ class PrefillEngine:
         jobs = [jobs[row] for row in going]
         drafted = self._propose(jobs, rows.select(going))
         for job, proposal in zip(jobs, drafted, strict=True):
+            if job.sink is not None:
+                self._ship_rest(job, proposal)
+                continue
             segment = self._segment(len(job.checked.ids))
             try:
                 if segment is None:
@@ -309,7 +353,40 @@ class PrefillEngine:
             return None
         return SharedKvSegment.create([(spec.dtype, spec.shape_for(prompt_len)) for spec in layout])
 
+    def _shipper(self, jobs: list[_Job]):
+        """after_layer for the jobs whose KV ships as it is computed: layer i's keys and values
+        of each job's whole prompt into its sink (earlier chunks' positions are in the pool)."""
+        target = self.pair.target
+        slots = {id(job): target.kv_slots(job.state, len(job.checked.ids)) for job in jobs}
+
+        def after_layer(layer: int) -> None:
+            for job in jobs:
+                for index in (2 * layer, 2 * layer + 1):
+                    tensor = target.export_tensor(slots[id(job)], index)
+                    job.sent_bytes += tensor.numel() * tensor.element_size()
+                    job.sink.put((index, tensor))
+
+        return after_layer
+
+    def _ship_rest(self, job: _Job, proposal: Drafted) -> None:
+        """What a layer-by-layer job has not shipped (every tensor, for a target without
+        after_layer), then its proposal: the sink's last item."""
+        if not job.sent_bytes:
+            for index, tensor in enumerate(self.pair.target.export_state(job.state)):
+                job.sent_bytes += tensor.numel() * tensor.element_size()
+                job.sink.put((index, tensor))
+        tail = pdspec_pb2.DecodeRequest(first_token_id=job.first)
+        wire = WireDecodeRequest(tail)
+        self._encode(proposal, tail, wire)
+        job.sink.put(wire)
+        job.sink = None  # ended
+        result = Prefilled(job.first, job.first_logprob, "", wire, self.config.encoding, sent_bytes=job.sent_bytes)
+        self._end(job, result=result)
+
     def _end(self, job: _Job, *, result: Prefilled | None = None, error: BaseException | None = None) -> None:
+        if job.sink is not None:
+            job.sink.put(None)  # ended at its first token, or failed: the stream ends short
+            job.sink = None
         if job.state is not None:
             self.pair.target.release(job.state)  # the KV lives on in the export (and then on the wire)
             job.state = None
@@ -319,32 +396,38 @@ class PrefillEngine:
                 self._jobs.remove(job)
         job.done.set()
 
-    def _decode_request(
-        self, job: _Job, proposal: Drafted, kv: list[torch.Tensor], segment: SharedKvSegment | None
-    ) -> Prefilled:
-        checked, pair = job.checked, self.pair
-        header = pdspec_pb2.DecodeRequest(
+    def _header(self, checked: Checked) -> pdspec_pb2.DecodeRequest:
+        """The DecodeRequest fields known before the prefill (no first token, no proposal)."""
+        return pdspec_pb2.DecodeRequest(
             request_id=checked.request_id,
             protocol_version=self.contract.protocol_version,
             contract_fingerprint=self.fingerprint,
             prompt_token_ids=checked.ids,
-            first_token_id=job.first,
             num_speculative_tokens=checked.k,
             sampling=checked.sampling,
             draft_candidates=checked.candidates,
         )
-        wire = WireDecodeRequest(header)
-        encoding = self.config.encoding
+
+    def _encode(self, proposal: Drafted, header: pdspec_pb2.DecodeRequest, wire: WireDecodeRequest) -> None:
         encode_proposal(
             torch.tensor(proposal.target_ids, dtype=torch.int64),
             torch.tensor(proposal.draft_ids, dtype=torch.int64),
             proposal.probs,
-            pair.draft.vocab_size,
-            encoding,
+            self.pair.draft.vocab_size,
+            self.config.encoding,
             out=header.proposal,
             set_tensor=lambda name, tensor: wire.set_tensor(f"proposal.{name}", tensor),
             parents=None if proposal.is_chain else proposal.parents,
         )
+
+    def _decode_request(
+        self, job: _Job, proposal: Drafted, kv: list[torch.Tensor], segment: SharedKvSegment | None
+    ) -> Prefilled:
+        header = self._header(job.checked)
+        header.first_token_id = job.first
+        wire = WireDecodeRequest(header)
+        encoding = self.config.encoding
+        self._encode(proposal, header, wire)
         if segment is not None:
             header.kv_shm.CopyFrom(segment.handle)
         elif not self.streams(kv):
@@ -352,9 +435,9 @@ class PrefillEngine:
                 wire.set_tensor(f"kv_cache[{i}]", tensor)  # a view: no copy until the one join
         return Prefilled(job.first, job.first_logprob, "", wire, encoding, kv, segment)
 
-    def streams(self, kv: list[torch.Tensor]) -> bool:
-        """Whether this KV goes over DecodeStream (see PrefillConfig.kv_streaming)."""
-        size = sum(t.numel() * t.element_size() for t in kv)
+    def streams(self, kv: list[torch.Tensor] | int) -> bool:
+        """Whether this KV (tensors, or a byte count) goes over DecodeStream (see PrefillConfig.kv_streaming)."""
+        size = kv if isinstance(kv, int) else sum(t.numel() * t.element_size() for t in kv)
         return self.config.kv_streaming or size > self.config.kv_stream_threshold_bytes
 
     def shape(self, checked: Checked) -> tuple[int, ...]:
@@ -413,3 +496,5 @@ class _Job:
     first_logprob: TokenLogprob | None = None
     result: Prefilled | None = None
     error: BaseException | None = None
+    sink: queue.Queue | None = None  # layer by layer: where its KV and then its proposal go (prefill(sink=))
+    sent_bytes: int = 0

@@ -9,6 +9,7 @@ Every request is counted once in the metrics with its final status, and logged o
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,7 +25,7 @@ from prefill_node.watchdog import StallWatchdog
 from protos import pdspec_pb2
 from protos.status import ended_status, status_code
 from protos.validation import Violation
-from protos.wire import stream_chunks
+from protos.wire import layered_chunks, stream_chunks
 from sampling.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -156,15 +157,29 @@ class GenerationService:
         if not self.peer.compatible:
             raise RequestFailed("UNAVAILABLE", f"request {rid!r}: {self.peer.problem}", rid)
         self.metrics.prompt_tokens.labels("prefill").inc(len(checked.ids))
-        prefilled = self.engine.prefill(checked)
+        relay = None
+        if self.engine.layerwise(checked):  # the decode stream opens first: each layer's KV goes as it is computed
+            sink: queue.Queue = queue.Queue()
+            header, manifest = self.engine.stream_header(checked)
+            chunks = layered_chunks(header, manifest, sink, self.engine.config.kv_chunk_bytes)
+            relay = self.peer.stub.DecodeStream(chunks, timeout=decode_timeout(call))
+            try:
+                prefilled = self.engine.prefill(checked, sink)
+            except BaseException:
+                relay.cancel()
+                raise
+        else:
+            prefilled = self.engine.prefill(checked)
         try:
-            yield from self._relay(request, call, started, record, prefilled)
+            yield from self._relay(request, call, started, record, prefilled, relay)
         finally:
             if prefilled.shm is not None:  # the decode node unlinks it once mapped; this covers every other end
                 prefilled.shm.unlink()
 
-    def _relay(self, request, call: Call, started: float, record: _Record, prefilled: Prefilled):
-        """The first token, then the decode node's stream (the KV handed over on the way)."""
+    def _relay(self, request, call: Call, started: float, record: _Record, prefilled: Prefilled, relay=None):
+        """The first token, then the decode node's stream (the KV handed over on the way).
+        `relay`: that stream, opened before the prefill (layer by layer); cancelled here if
+        the request goes no further."""
         rid = record.request_id
         detokenizer = self.engine.pair.tokenizer.incremental()
         stops = StopStrings(request.stop)
@@ -174,20 +189,25 @@ class GenerationService:
         text, stopped = stops.push(detokenizer.push([prefilled.first_token]))
         first.text = text
         if prefilled.finish_reason or stopped:
+            if relay is not None:
+                relay.cancel()
             yield stream.finish(first, "stop" if stopped else prefilled.finish_reason, detokenizer, stops, stopped)
             return
         yield stream.emit(first)
         if not call.is_active():  # the client left while we prefilled: start nothing
             record.code = ended_status(call)
+            if relay is not None:
+                relay.cancel()
             return
         wire = prefilled.wire
         self.metrics.proposal_bytes.labels("prefill", prefilled.encoding.value).inc(wire.header.proposal.ByteSize())
         self.metrics.kv_bytes.labels("prefill").inc(prefilled.kv_bytes)
-        if len(wire.header.kv_cache) or not prefilled.kv:
-            relay = self.peer.stub.Decode(wire, timeout=decode_timeout(call))  # the KV inline, or its handle
-        else:  # DecodeStream: header + manifest, then the KV in slices
-            chunks = stream_chunks(wire, prefilled.kv, self.engine.config.kv_chunk_bytes)
-            relay = self.peer.stub.DecodeStream(chunks, timeout=decode_timeout(call))
+        if relay is None:  # else it opened before the prefill: the KV and the proposal are on their way
+            if len(wire.header.kv_cache) or not prefilled.kv:
+                relay = self.peer.stub.Decode(wire, timeout=decode_timeout(call))  # the KV inline, or its handle
+            else:  # DecodeStream: header + manifest, then the KV in slices
+                chunks = stream_chunks(wire, prefilled.kv, self.engine.config.kv_chunk_bytes)
+                relay = self.peer.stub.DecodeStream(chunks, timeout=decode_timeout(call))
         # A client cancel cancels the decode stream; add_callback returns False when the call
         # already ended, and then nothing would call it.
         if not call.add_callback(relay.cancel):

@@ -178,14 +178,16 @@ class SharedKv(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorPB, _Mapping]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("request", "kv_manifest", "kv")
+    __slots__ = ("request", "kv_manifest", "kv", "proposal_follows")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     KV_MANIFEST_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     request: DecodeRequest
     kv_manifest: _containers.RepeatedCompositeFieldContainer[TensorPB]
     kv: KvChunk
-    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., kv_manifest: _Optional[_Iterable[_Union[TensorPB, _Mapping]]] = ..., kv: _Optional[_Union[KvChunk, _Mapping]] = ...) -> None: ...
+    proposal_follows: bool
+    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., kv_manifest: _Optional[_Iterable[_Union[TensorPB, _Mapping]]] = ..., kv: _Optional[_Union[KvChunk, _Mapping]] = ..., proposal_follows: _Optional[bool] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("tensor_index", "offset", "data")

@@ -131,8 +131,14 @@ def validate_decode_request(
     receiver: Receiver,
     payloads: Mapping[str, Buffer] | None = None,
     kv_manifest: Sequence[pdspec_pb2.TensorPB] | None = None,
+    *,
+    proposal_follows: bool = False,
 ) -> DecodeInput | list[Violation]:
     """Every row of the §3 table; returns the decoded input or the violations found.
+
+    `proposal_follows` (the first chunk of a DecodeStream that sends its proposal last): the
+    request must carry neither first_token_id nor a proposal, and the input has neither
+    (first_token_id -1, no draft tokens) until the last chunk's are validated with the rest.
 
     `payloads`: the tensor bytes by path ("proposal.probs", "kv_cache[3]") when they were
     left out of `request` (protos/wire.py parses them as views of the received buffer);
@@ -165,7 +171,11 @@ def validate_decode_request(
         found.append(Violation("prompt_token_ids", "at least 1 id", "0 ids"))
     if check_prompt_length(len(request.prompt_token_ids), limits, found):
         check_ids("prompt_token_ids", request.prompt_token_ids, vocab, found)
-    check_ids("first_token_id", [request.first_token_id], vocab, found)
+    if proposal_follows:
+        if request.first_token_id or request.HasField("proposal"):
+            found.append(Violation("proposal", "absent with proposal_follows (it comes last)", "present"))
+    else:
+        check_ids("first_token_id", [request.first_token_id], vocab, found)
     k = request.num_speculative_tokens
     if not 0 <= k <= receiver.max_speculative_tokens:
         found.append(Violation("num_speculative_tokens", f"0..{receiver.max_speculative_tokens}", str(k)))
@@ -178,7 +188,7 @@ def validate_decode_request(
         return found
     proposal = request.proposal
     nodes = len(proposal.token_ids)
-    if not proposal.parents and nodes != k:
+    if not proposal.parents and nodes != k and not proposal_follows:
         found.append(Violation("proposal.token_ids", f"{k} ids (num_speculative_tokens)", f"{nodes} ids"))
     if proposal.parents and not check_tree(proposal.parents, nodes, k, candidates, receiver.max_tree_nodes, found):
         return found  # the node count sizes the distributions below
@@ -197,7 +207,7 @@ def validate_decode_request(
             found.append(Violation("kv_shm", "absent in a DecodeStream (its chunks carry the KV)", "a segment"))
         else:
             check_kv_manifest(kv_manifest, contract, len(request.prompt_token_ids), found)
-    draft_probs = _decode_proposal(proposal, nodes, receiver, found, payloads)
+    draft_probs = None if proposal_follows else _decode_proposal(proposal, nodes, receiver, found, payloads)
     if found:
         return found
     draft_token_ids = torch.tensor(list(proposal.token_ids), dtype=torch.int64)
@@ -210,7 +220,7 @@ def validate_decode_request(
     return DecodeInput(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
-        first_token_id=request.first_token_id,
+        first_token_id=-1 if proposal_follows else request.first_token_id,
         params=params,
         max_new_tokens=request.sampling.max_new_tokens,
         stop_token_ids=list(request.sampling.stop_token_ids),

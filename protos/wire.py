@@ -23,6 +23,7 @@ INVALID_ARGUMENT, never an exception inside gRPC.
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -191,15 +192,20 @@ class KvChunkOut:
 
 @dataclass
 class HeaderChunkOut:
-    """The first DecodeChunk: the request (kv_cache empty) and the KV manifest."""
+    """The first DecodeChunk: the request (kv_cache empty) and the KV manifest; with
+    `proposal_follows`, the request without first token and proposal. Also the last chunk
+    of such a stream: a request of those two fields and no manifest."""
 
     request: WireDecodeRequest
     manifest: Sequence[pdspec_pb2.TensorPB]
+    proposal_follows: bool = False
 
     def SerializeToString(self) -> bytes:
         parts = _len_field(1, self.request.buffers())
         for pb in self.manifest:
             parts += _len_field(2, [pb.SerializeToString()])
+        if self.proposal_follows:
+            parts.append(varint(4 << 3) + varint(1))  # field 4, varint: true
         return b"".join(parts)
 
 
@@ -213,6 +219,27 @@ def stream_chunks(
     manifest = [pdspec_pb2.TensorPB(data_type=WIRE_DTYPES[t.dtype], shape=list(t.shape)) for t in kv]
     yield HeaderChunkOut(request, manifest)
     for index, tensor in enumerate(kv):
+        view = host_bytes(tensor)
+        for offset in range(0, len(view), chunk_bytes):
+            yield KvChunkOut(index, offset, view[offset : offset + chunk_bytes])
+
+
+def layered_chunks(
+    header: WireDecodeRequest, manifest: Sequence[pdspec_pb2.TensorPB], sink: queue.Queue, chunk_bytes: int
+) -> Iterator[HeaderChunkOut | KvChunkOut]:
+    """The DecodeStream messages of a request whose KV is sent as it is computed: the header
+    (`proposal_follows`), then each KV tensor in slices as `sink` yields it ((index, tensor)),
+    then the proposal when `sink` yields it (a WireDecodeRequest of first_token_id and
+    proposal). `None` from `sink` ends the stream short: the decode node refuses it and frees
+    what it reserved."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes: expected >= 1, got {chunk_bytes}")
+    yield HeaderChunkOut(header, manifest, proposal_follows=True)
+    while (item := sink.get()) is not None:
+        if isinstance(item, WireDecodeRequest):
+            yield HeaderChunkOut(item, [])
+            return
+        index, tensor = item
         view = host_bytes(tensor)
         for offset in range(0, len(view), chunk_bytes):
             yield KvChunkOut(index, offset, view[offset : offset + chunk_bytes])
@@ -380,6 +407,7 @@ class ParsedChunk:
     data: memoryview = field(default_factory=lambda: memoryview(b""))
     error: Violation | None = None
     wire_bytes: int = 0
+    proposal_follows: bool = False
 
 
 def parse_decode_chunk(data: Buffer) -> ParsedChunk:
@@ -388,7 +416,9 @@ def parse_decode_chunk(data: Buffer) -> ParsedChunk:
     try:
         rest, found = _split(buf, [(0, len(buf))], {1, 2, 3}, "chunk.")
         chunk = ParsedChunk(wire_bytes=len(buf))
-        _merge(pdspec_pb2.DecodeChunk(), rest, "chunk")  # unknown fields only; still well-formed
+        scalars = pdspec_pb2.DecodeChunk()
+        _merge(scalars, rest, "chunk")  # proposal_follows and unknown fields; still well-formed
+        chunk.proposal_follows = scalars.proposal_follows
         if found[1]:
             header, payloads = _request(buf, found[1], "request.")
             proposal = _split(buf, found[1], {8}, "request.")[1][8]

@@ -82,7 +82,7 @@ FIXED = {
 
 # Fields added after the fixed contract: new numbers only, never a renumbered fixed one.
 ADDED = {
-    "DecodeChunk": {"request": 1, "kv_manifest": 2, "kv": 3},
+    "DecodeChunk": {"request": 1, "kv_manifest": 2, "kv": 3, "proposal_follows": 4},
     "KvChunk": {"tensor_index": 1, "offset": 2, "data": 3},
     "SamplingParams": {"logprobs": 8},
     "GenerateRequest": {"stop": 6, "draft_candidates": 7},
