@@ -8,6 +8,7 @@ import queue
 
 import grpc
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
@@ -155,3 +156,33 @@ def test_a_standard_parser_reads_the_proposal_follows_flag():
     assert chunk.proposal_follows and chunk.request.request_id == "x"
     assert wire.parse_decode_chunk(chunk.SerializeToString()).proposal_follows
     assert not wire.parse_decode_chunk(wire.HeaderChunkOut(header, []).SerializeToString()).proposal_follows
+
+
+def test_a_chunked_prompt_in_a_batch_ships_the_export_of_its_solo_run(llama_pair):
+    """40 prompt tokens in 16-token prefill chunks, batched with a request that ships its KV
+    after the prefill: the layers shipped during the last chunk's forward are the whole
+    prompt's KV, equal to the solo export, and the proposal is the solo run's."""
+    from engine.paged_lm import bytes_per_token, paged_pair
+    from prefill_node.engine import PrefillEngine
+
+    pair = paged_pair(llama_pair, 512 * (bytes_per_token(llama_pair.target) + bytes_per_token(llama_pair.draft)))
+    engine = PrefillEngine(pair, PrefillConfig(kv_streaming=True, kv_layerwise=True, max_prefill_tokens=16))
+    sampling = pdspec_pb2.SamplingParams(do_sample=True, seed=11, max_new_tokens=8)
+    a, b = (
+        engine.check(pdspec_pb2.GenerateRequest(request_id=r, prompt_token_ids=p, sampling=sampling))
+        for r, p in (("a", PROMPT), ("b", PROMPT[:23]))
+    )
+    assert engine.layerwise(a)
+    sink: queue.Queue = queue.Queue()
+    shipped, other = engine.prefill_many([a, b], [sink, None])
+    items = []
+    while (item := sink.get_nowait()) is not None and not isinstance(item, wire.WireDecodeRequest):
+        items.append(item)
+    solo = engine.prefill(a)
+    assert [index for index, _ in items] == list(range(len(solo.kv)))
+    for (_, tensor), want in zip(items, solo.kv, strict=True):
+        assert torch.equal(tensor, want)
+    assert item is shipped.wire and item.header.first_token_id == solo.first_token
+    assert item.to_message().proposal == solo.decode_request.proposal
+    assert other.kv and not shipped.kv and shipped.kv_bytes == solo.kv_bytes
+    assert pair.target.pool.used_blocks == 0
