@@ -114,8 +114,10 @@ def draft_tokens(
         return [Drafted([], [], [], None) for _ in states]
     logits = draft.extend_batch([states[r] for r in rows], [feeds[r] for r in rows])
     context = {(r, -1): row[-1] for r, row in zip(rows, logits, strict=True)}  # (row, node) -> logits [Vd]
+    device_fed = getattr(draft, "device_tokens", False)
     drawn: list[torch.Tensor] = []  # [3, n] (draft id, target id, valid) per draw, on the device
-    known = torch.empty(3, 0, dtype=torch.int64)  # the first columns of cat(drawn), on the host
+    count = 0  # columns of cat(drawn)
+    known, read = torch.empty(3, 0, dtype=torch.int64), 0  # the host copy of cat(drawn[:read])
     depth = 0
     while rows:
         # The children of every frontier node of every row, grouped by fan-out: one draw per group.
@@ -133,11 +135,12 @@ def draft_tokens(
             draws = torch.stack([uniforms[r, first : first + k] for r, _, first in group])  # [M, k]
             sample = propose_candidates(law, last, params.select([r for r, _, _ in group]), draws, k)
             mapped = d2t.map_tokens(sample.token_ids.to(d2t.d2t.device)).to(device)
-            offset = sum(d.shape[1] for d in drawn)
+            offset = count
             drawn.append(torch.stack([sample.token_ids, mapped, sample.valid.long()]).view(3, -1))  # [3, M*k]
+            count += drawn[-1].shape[1]
             may_drop = law is DraftLaw.STOCHASTIC and k > 1
-            if may_drop or not getattr(draft, "device_tokens", False):
-                known = torch.cat(drawn, 1).cpu()  # the host needs these values now
+            if may_drop or not device_fed:
+                known, read = _read(known, drawn, read)  # the host needs these values now
             for m, (r, parent, first) in enumerate(group):
                 for c in range(k):
                     value = offset + m * k + c
@@ -152,7 +155,7 @@ def draft_tokens(
         # Feed this depth's nodes as tree tokens: the next depth's contexts.
         values = [[trees[r][n].value for n in children[r]] for r in rows]
         parents = [[trees[r][n].parent for n in children[r]] for r in rows]
-        if known.shape[1] == sum(d.shape[1] for d in drawn):  # on the host already
+        if read == len(drawn):  # on the host already
             fed = draft.extend_tree([states[r] for r in rows], [known[1, v].tolist() for v in values], parents)
         else:
             order = torch.tensor([v for row in values for v in row], dtype=torch.int64)
@@ -163,8 +166,7 @@ def draft_tokens(
             for n, node_logits in zip(children[r], row_logits, strict=True):
                 context[(r, n)] = node_logits
             frontier[r] = children[r]
-    if known.shape[1] < sum(d.shape[1] for d in drawn):
-        known = torch.cat(drawn, 1).cpu()  # the one read of the deferred draws
+    known, _ = _read(known, drawn, read)  # the one read of the deferred draws
     ids = known.tolist()
     for tree in trees:
         for node in tree:
@@ -174,6 +176,13 @@ def draft_tokens(
     for state in states:  # the tree tokens fed from the device, in their values now
         _resolve(state, ids[1])
     return [_drafted(tree, ids) for tree in trees]
+
+
+def _read(known: torch.Tensor, drawn: list[torch.Tensor], read: int) -> tuple[torch.Tensor, int]:
+    """`known` with the draws from `read` on appended, in one device -> host copy; how many are read."""
+    if read == len(drawn):
+        return known, read
+    return torch.cat([known, torch.cat(drawn[read:], 1).cpu()], 1), len(drawn)
 
 
 def _resolve(state: State, target_ids: list[int]) -> None:

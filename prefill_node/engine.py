@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 import queue
 import threading
 import uuid
@@ -26,7 +25,6 @@ from models.base import State
 from models.pair import ModelPair
 from pdspec.stopping import finish_reason
 from protos import pdspec_pb2
-from protos.codec import WIRE_DTYPES
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
 from protos.shm_kv import SharedKvSegment
 from protos.validation import (
@@ -38,7 +36,7 @@ from protos.validation import (
     check_request_id,
     check_sampling,
 )
-from protos.wire import WireDecodeRequest
+from protos.wire import WireDecodeRequest, kv_manifest
 from sampling import RequestRng, SamplingParams, SamplingTensors, sample_target
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
@@ -214,18 +212,13 @@ class PrefillEngine:
     def layerwise(self, checked: Checked) -> bool:
         """Whether this request's KV is sent as it is computed (`prefill(sink=)`): a streamed
         KV (kv_streaming or over the threshold) over gRPC, with --kv-layerwise."""
-        layout = self.pair.target.kv_layout
-        size = sum(math.prod(spec.shape_for(len(checked.ids))) * spec.dtype.itemsize for spec in layout)
-        config = self.config
-        return config.kv_layerwise and config.kv_transport is KvTransport.GRPC and bool(layout) and self.streams(size)
+        config, size = self.config, self.contract.kv_bytes(len(checked.ids))
+        return config.kv_layerwise and config.kv_transport is KvTransport.GRPC and size > 0 and self.streams(size)
 
     def stream_header(self, checked: Checked) -> tuple[WireDecodeRequest, list[pdspec_pb2.TensorPB]]:
         """The first DecodeStream chunk of a layer-by-layer request: its DecodeRequest without
         first token and proposal, and the KV manifest."""
-        manifest = [
-            pdspec_pb2.TensorPB(data_type=WIRE_DTYPES[spec.dtype], shape=list(spec.shape_for(len(checked.ids))))
-            for spec in self.pair.target.kv_layout
-        ]
+        manifest = kv_manifest((spec.dtype, spec.shape_for(len(checked.ids))) for spec in self.pair.target.kv_layout)
         return WireDecodeRequest(self._header(checked)), manifest
 
     def prefill_many(self, checked: Sequence[Checked], sinks: Sequence[queue.Queue | None] = ()) -> list[Prefilled]:

@@ -24,7 +24,7 @@ INVALID_ARGUMENT, never an exception inside gRPC.
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -209,6 +209,11 @@ class HeaderChunkOut:
         return b"".join(parts)
 
 
+def kv_manifest(tensors: Iterable[tuple[torch.dtype, Sequence[int]]]) -> list[pdspec_pb2.TensorPB]:
+    """A DecodeStream's KV manifest: each tensor's dtype and shape, no data."""
+    return [pdspec_pb2.TensorPB(data_type=WIRE_DTYPES[dtype], shape=list(shape)) for dtype, shape in tensors]
+
+
 def stream_chunks(
     request: WireDecodeRequest, kv: Sequence[torch.Tensor], chunk_bytes: int
 ) -> Iterator[HeaderChunkOut | KvChunkOut]:
@@ -216,8 +221,7 @@ def stream_chunks(
     at most `chunk_bytes`, tensor by tensor (each tensor's bytes viewed when it is reached)."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes: expected >= 1, got {chunk_bytes}")
-    manifest = [pdspec_pb2.TensorPB(data_type=WIRE_DTYPES[t.dtype], shape=list(t.shape)) for t in kv]
-    yield HeaderChunkOut(request, manifest)
+    yield HeaderChunkOut(request, kv_manifest((t.dtype, t.shape) for t in kv))
     for index, tensor in enumerate(kv):
         view = host_bytes(tensor)
         for offset in range(0, len(view), chunk_bytes):

@@ -85,16 +85,10 @@ def test_device_fed_drafting_equals_host_fed(pair, law, kind):
     assert pair.draft.pool.used_blocks == 0
 
 
-class NanDraft:
+class NanDraft(HostFed):
     """The paged draft with non-finite logits: no draw of a stochastic law finds mass."""
 
     device_tokens = True
-
-    def __init__(self, model) -> None:
-        self._model = model
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
 
     def extend_batch(self, states, ids):
         return [row * float("nan") for row in self._model.extend_batch(states, ids)]

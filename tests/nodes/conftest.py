@@ -24,6 +24,17 @@ def wait_until(predicate, timeout=10.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def stream_status(stub, chunks) -> tuple[grpc.StatusCode, dict[str, str]]:
+    """A DecodeStream upload of `chunks` run to its end: its status and field violations."""
+    from protos.status import field_violations
+
+    try:
+        list(stub.DecodeStream(iter(chunks), timeout=10))
+    except grpc.RpcError as err:
+        return err.code(), dict(field_violations(err))
+    return grpc.StatusCode.OK, {}
+
+
 def health_status(port: int, service: str = "") -> int:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         try:

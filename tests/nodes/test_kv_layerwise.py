@@ -17,9 +17,8 @@ from models.loader import load_pair
 from prefill_node.engine import PrefillConfig
 from protos import pdspec_pb2, wire
 from protos.rpc import DecodeStub
-from protos.status import field_violations
 from tests.models.hf_fixtures import make_family_checkpoint, make_tokenizer
-from tests.nodes.conftest import cluster, wait_until
+from tests.nodes.conftest import cluster, stream_status, wait_until
 
 PROMPT = list(range(5, 45))  # 40 tokens: several 16-token blocks
 
@@ -112,14 +111,6 @@ def _parts(prefill):
     return head, slices, wire.HeaderChunkOut(tail, [])
 
 
-def _code(stub, chunks):
-    try:
-        list(stub.DecodeStream(iter(chunks), timeout=10))
-    except grpc.RpcError as err:
-        return err.code(), dict(field_violations(err))
-    return grpc.StatusCode.OK, {}
-
-
 def test_broken_proposal_last_uploads_are_refused_and_free_everything(llama_pair):
     config = PrefillConfig(kv_streaming=True, kv_layerwise=True)
     with cluster(llama_pair, DecodeConfig(), config) as (_client, prefill, decode):
@@ -142,11 +133,11 @@ def test_broken_proposal_last_uploads_are_refused_and_free_everything(llama_pair
             ),
         }
         for name, (sent, field) in cases.items():
-            code, violations = _code(stub, sent)
+            code, violations = stream_status(stub, sent)
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code)
             assert any(f.startswith(field) for f in violations), (name, violations)
             assert decode.engine.load == 0 and decode.engine.pair.target.pool.used_blocks == 0, name
-        assert _code(stub, [head, *slices, tail])[0] == grpc.StatusCode.OK  # the intact upload works
+        assert stream_status(stub, [head, *slices, tail])[0] == grpc.StatusCode.OK  # the intact upload works
         wait_until(lambda: decode.engine.pair.target.pool.used_blocks == 0, what="blocks back in the pool")
 
 

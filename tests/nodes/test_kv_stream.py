@@ -16,9 +16,8 @@ from models.loader import load_pair
 from prefill_node.engine import PrefillConfig
 from protos import pdspec_pb2, wire
 from protos.rpc import DecodeStub
-from protos.status import field_violations
 from tests.models.hf_fixtures import make_family_checkpoint, make_tokenizer
-from tests.nodes.conftest import cluster, wait_until
+from tests.nodes.conftest import cluster, stream_status, wait_until
 
 PROMPT = list(range(5, 45))  # 40 tokens: several 16-token blocks
 
@@ -63,14 +62,6 @@ def _upload(prefill):
     return prefilled.wire, prefilled.kv
 
 
-def _code(stub, chunks):
-    try:
-        list(stub.DecodeStream(iter(chunks), timeout=10))
-    except grpc.RpcError as err:
-        return err.code(), dict(field_violations(err))
-    return grpc.StatusCode.OK, {}
-
-
 def test_broken_uploads_are_refused_and_free_everything(streaming_nodes):
     _, prefill, decode = streaming_nodes
     stub = DecodeStub(grpc.insecure_channel(f"127.0.0.1:{decode.port}"))
@@ -95,11 +86,11 @@ def test_broken_uploads_are_refused_and_free_everything(streaming_nodes):
         "no chunks": ([], "request"),
     }
     for name, (sent, field) in cases.items():
-        code, violations = _code(stub, sent)
+        code, violations = stream_status(stub, sent)
         assert code == grpc.StatusCode.INVALID_ARGUMENT, name
         assert any(f.startswith(field) or field in f for f in violations), (name, violations)
         assert decode.engine.load == 0 and decode.engine.pair.target.pool.used_blocks == 0, name
-    assert _code(stub, chunks)[0] == grpc.StatusCode.OK  # the intact upload still works
+    assert stream_status(stub, chunks)[0] == grpc.StatusCode.OK  # the intact upload still works
     wait_until(lambda: decode.engine.pair.target.pool.used_blocks == 0, what="blocks back in the pool")
 
 
