@@ -173,13 +173,14 @@ class GenerationService:
         try:
             yield from self._relay(request, call, started, record, prefilled, relay)
         finally:
+            if relay is not None:  # opened before the prefill: every way out ends it (a no-op once done)
+                relay.cancel()
             if prefilled.shm is not None:  # the decode node unlinks it once mapped; this covers every other end
                 prefilled.shm.unlink()
 
     def _relay(self, request, call: Call, started: float, record: _Record, prefilled: Prefilled, relay=None):
         """The first token, then the decode node's stream (the KV handed over on the way).
-        `relay`: that stream, opened before the prefill (layer by layer); cancelled here if
-        the request goes no further."""
+        `relay`: that stream, opened before the prefill (layer by layer; the caller ends it)."""
         rid = record.request_id
         detokenizer = self.engine.pair.tokenizer.incremental()
         stops = StopStrings(request.stop)
@@ -189,15 +190,11 @@ class GenerationService:
         text, stopped = stops.push(detokenizer.push([prefilled.first_token]))
         first.text = text
         if prefilled.finish_reason or stopped:
-            if relay is not None:
-                relay.cancel()
             yield stream.finish(first, "stop" if stopped else prefilled.finish_reason, detokenizer, stops, stopped)
             return
         yield stream.emit(first)
         if not call.is_active():  # the client left while we prefilled: start nothing
             record.code = ended_status(call)
-            if relay is not None:
-                relay.cancel()
             return
         wire = prefilled.wire
         self.metrics.proposal_bytes.labels("prefill", prefilled.encoding.value).inc(wire.header.proposal.ByteSize())
