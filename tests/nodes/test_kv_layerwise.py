@@ -21,6 +21,7 @@ from tests.models.hf_fixtures import make_family_checkpoint, make_tokenizer
 from tests.nodes.conftest import cluster, stream_status, wait_until
 
 PROMPT = list(range(5, 45))  # 40 tokens: several 16-token blocks
+LONG = 4096  # the default --max-new-tokens-limit: a leaked request holds its decode slot for seconds
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +178,41 @@ def test_a_chunked_prompt_in_a_batch_ships_the_export_of_its_solo_run(llama_pair
     assert item.to_message().proposal == solo.decode_request.proposal
     assert other.kv and not shipped.kv and shipped.kv_bytes == solo.kv_bytes
     assert pair.target.pool.used_blocks == 0
+
+
+def test_cancels_and_deadlines_mid_layer_stream_free_both_nodes(llama_pair):
+    """Clients that leave while their KV is going out layer by layer (1-50 ms deadlines, or a
+    cancel after the first token): every call ends CANCELLED or DEADLINE_EXCEEDED, both nodes
+    hold nothing afterwards, and they still serve."""
+    import random
+    from concurrent import futures
+
+    def drain(call) -> grpc.StatusCode:
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as err:
+            return err.code()
+        return grpc.StatusCode.OK
+
+    config = PrefillConfig(kv_streaming=True, kv_layerwise=True, kv_chunk_bytes=512)
+    with cluster(llama_pair, DecodeConfig(max_batch=4, max_queue=64), config) as (client, prefill, decode):
+        rng = random.Random(2)
+        deadlines = [rng.uniform(0.001, 0.05) for _ in range(20)]
+
+        def one(i: int) -> grpc.StatusCode:
+            if i < len(deadlines):
+                return drain(client.stream(prompt_token_ids=PROMPT, max_new_tokens=LONG, seed=i, timeout=deadlines[i]))
+            stream = client.stream(prompt_token_ids=PROMPT, max_new_tokens=LONG, seed=i, timeout=30)
+            next(stream)  # the prefill's first token: the decode stream is open
+            stream.cancel()
+            return drain(stream)
+
+        with futures.ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(one, range(2 * len(deadlines))))
+        assert set(codes) <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}, codes
+        # A leaked decode stream would run its 4,096 tokens: seconds at max_batch 4.
+        wait_until(lambda: decode.engine.load == 0, timeout=2, what="decode engine idle")
+        wait_until(lambda: decode.engine.pair.target.pool.used_blocks == 0, timeout=2, what="decode blocks back")
+        assert prefill.engine.pair.target.pool.used_blocks == 0
+        assert len(client.generate(prompt_token_ids=PROMPT, greedy=True, max_new_tokens=6).token_ids) == 6
