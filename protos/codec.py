@@ -92,25 +92,26 @@ def decode_tensor(
     shared = data is not None
     if data is None:
         data = pb.data  # under upb/cpp a private copy, the one copy (module doc)
-    _check_declared(pb, len(data))
-    dtype = TORCH_DTYPES[pb.data_type]
-    shape = tuple(pb.shape)
+    dtype, shape = _check_declared(pb, len(data))
     if not data:
         return torch.empty(shape, dtype=dtype, device=device)
     with warnings.catch_warnings():  # "not writable": the bytes object is ours alone (see above)
         warnings.simplefilter("ignore", UserWarning)
         view = torch.frombuffer(data, dtype=dtype).view(shape)
-    device = torch.device(device)
-    if device.type != "cpu":
+    if device != "cpu" and torch.device(device).type != "cpu":
         return view.to(device)
     return view if shared or _FIELD_READ_COPIES else view.clone()
 
 
-def _check_declared(pb: pdspec_pb2.TensorPB, data_len: int) -> None:
-    if pb.data_type not in TORCH_DTYPES:
+def _check_declared(pb: pdspec_pb2.TensorPB, data_len: int) -> tuple[torch.dtype, tuple[int, ...]]:
+    """The tensor's dtype and shape once they agree with `data_len` bytes."""
+    dtype = TORCH_DTYPES.get(pb.data_type)
+    if dtype is None:
         raise TensorDecodeError("data_type", "one of FP32, FP16, BF16, INT32, INT64", dtype_name(pb.data_type))
-    if any(d < 0 for d in pb.shape):
-        raise TensorDecodeError("shape", "non-negative dims", str(list(pb.shape)))
-    expected = wire_nbytes(pb)
+    shape = tuple(pb.shape)
+    if shape and min(shape) < 0:
+        raise TensorDecodeError("shape", "non-negative dims", str(list(shape)))
+    expected = math.prod(shape) * dtype.itemsize
     if expected != data_len:
-        raise TensorDecodeError("data", f"{expected} bytes for shape {list(pb.shape)}", f"{data_len} bytes")
+        raise TensorDecodeError("data", f"{expected} bytes for shape {list(shape)}", f"{data_len} bytes")
+    return dtype, shape

@@ -75,10 +75,13 @@ def host_bytes(tensor: torch.Tensor) -> memoryview:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
         host.copy_(t)
         t = host
-    t = t.contiguous()
+    elif not t.is_contiguous():
+        t = t.contiguous()
     if not t.numel():
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).toreadonly()
+    if t.dtype is torch.bfloat16:  # numpy has no bfloat16: view the bytes first
+        t = t.reshape(-1).view(torch.uint8)
+    return memoryview(t.numpy()).cast("B").toreadonly()  # C order: the cast flattens it
 
 
 def tensor_header(tensor: torch.Tensor, out: pdspec_pb2.TensorPB) -> memoryview:
@@ -271,22 +274,29 @@ def _varint_at(buf: memoryview, pos: int, end: int, where: str) -> tuple[int, in
 
 
 def _fields(buf: memoryview, start: int, end: int, where: str) -> Iterator[tuple[int, int, int, int, int]]:
-    """(number, wire type, field start, value start, value end) of each field in [start, end)."""
+    """(number, wire type, field start, value start, value end) of each field in [start, end).
+    One-byte keys and lengths (nearly every field) are read inline: the walk is per request."""
     pos = start
     while pos < end:
-        key, value = _varint_at(buf, pos, end, where)
+        key = buf[pos]
+        value = pos + 1
+        if key >= 0x80:
+            key, value = _varint_at(buf, pos, end, where)
         number, wire_type = key >> 3, key & 7
         if not 1 <= number <= _MAX_FIELD:
             raise WireError(where, f"field number {number}")
-        if wire_type == 0:
+        if wire_type == _LEN:
+            if value < end and buf[value] < 0x80:
+                length, value = buf[value], value + 1
+            else:
+                length, value = _varint_at(buf, value, end, f"{where}.#{number}")
+            stop = value + length
+        elif wire_type == 0:
             _, stop = _varint_at(buf, value, end, f"{where}.#{number}")
         elif wire_type == 1:
             stop = value + 8
         elif wire_type == 5:
             stop = value + 4
-        elif wire_type == _LEN:
-            length, value = _varint_at(buf, value, end, f"{where}.#{number}")
-            stop = value + length
         else:
             raise WireError(where, f"wire type {wire_type} (field {number})")
         if stop > end:
@@ -297,24 +307,30 @@ def _fields(buf: memoryview, start: int, end: int, where: str) -> Iterator[tuple
 
 def _split(
     buf: memoryview, segments: Sequence[tuple[int, int]], diverted: set[int], where: str
-) -> tuple[bytes, dict[int, list[tuple[int, int]]]]:
+) -> tuple[Buffer, dict[int, list[tuple[int, int]]]]:
     """The fields of a message given as one or more segments (repeated occurrences of a
     singular message field merge, i.e. concatenate): the bytes of every field not in
-    `diverted` (for the standard parser), and the value ranges of the length-delimited
-    `diverted` ones (a diverted number with another wire type is an unknown field to
-    protobuf, so it goes with the rest)."""
+    `diverted` (for the standard parser; runs of adjacent fields are one slice), and the
+    value ranges of the length-delimited `diverted` ones (a diverted number with another
+    wire type is an unknown field to protobuf, so it goes with the rest)."""
     rest: list[memoryview] = []
     found: dict[int, list[tuple[int, int]]] = {n: [] for n in diverted}
     for start, end in segments:
+        run = None  # where the current run of kept fields began
         for number, wire_type, at, value, stop in _fields(buf, start, end, where):
             if number in diverted and wire_type == _LEN:
+                if run is not None:
+                    rest.append(buf[run:at])
+                    run = None
                 found[number].append((value, stop))
-            else:
-                rest.append(buf[at:stop])
-    return b"".join(rest), found
+            elif run is None:
+                run = at
+        if run is not None:
+            rest.append(buf[run:end])
+    return (rest[0] if len(rest) == 1 else b"".join(rest)), found
 
 
-def _merge(message, data: bytes, where: str) -> None:
+def _merge(message, data: Buffer, where: str) -> None:
     try:
         message.MergeFromString(data)
     except DecodeError as err:
@@ -331,7 +347,7 @@ def _tensor(buf: memoryview, segments, out: pdspec_pb2.TensorPB, where: str) -> 
     return buf[start:stop]
 
 
-def _request(buf: memoryview, segments, where: str) -> tuple[pdspec_pb2.DecodeRequest, dict[str, memoryview]]:
+def _request(buf: memoryview, segments, where: str) -> ParsedDecodeRequest:
     header = pdspec_pb2.DecodeRequest()
     rest, found = _split(buf, segments, {8, 9}, where)
     _merge(header, rest, where)
@@ -350,7 +366,8 @@ def _request(buf: memoryview, segments, where: str) -> tuple[pdspec_pb2.DecodeRe
         data = _tensor(buf, [segment], header.kv_cache.add(), f"{where}kv_cache[{i}]")
         if data is not None:
             payloads[f"kv_cache[{i}]"] = data
-    return header, payloads
+    proposal_bytes = sum(stop - start for start, stop in found[8])  # the serialized Proposal's length
+    return ParsedDecodeRequest(header, payloads, None, len(buf), proposal_bytes)
 
 
 @dataclass
@@ -386,19 +403,13 @@ def _pb_at(message: pdspec_pb2.DecodeRequest, path: str) -> pdspec_pb2.TensorPB:
     return getattr(message.proposal, path.removeprefix("proposal."))
 
 
-def _proposal_length(buf: memoryview, segments) -> int:
-    return sum(stop - start for start, stop in segments)
-
-
 def parse_decode_request(data: Buffer) -> ParsedDecodeRequest:
     """gRPC request_deserializer of Decode: never raises on bad bytes (see module doc)."""
     buf = memoryview(data)
     try:
-        header, payloads = _request(buf, [(0, len(buf))], "")
-        proposal = _split(buf, [(0, len(buf))], {8}, "")[1][8]
+        return _request(buf, [(0, len(buf))], "")
     except WireError as err:
         return ParsedDecodeRequest(error=err.violation(), wire_bytes=len(buf))
-    return ParsedDecodeRequest(header, payloads, None, len(buf), _proposal_length(buf, proposal))
 
 
 @dataclass
@@ -424,9 +435,7 @@ def parse_decode_chunk(data: Buffer) -> ParsedChunk:
         _merge(scalars, rest, "chunk")  # proposal_follows and unknown fields; still well-formed
         chunk.proposal_follows = scalars.proposal_follows
         if found[1]:
-            header, payloads = _request(buf, found[1], "request.")
-            proposal = _split(buf, found[1], {8}, "request.")[1][8]
-            chunk.request = ParsedDecodeRequest(header, payloads, None, len(buf), _proposal_length(buf, proposal))
+            chunk.request = _request(buf, found[1], "request.")
         for i, segment in enumerate(found[2]):
             pb = pdspec_pb2.TensorPB()
             payload = _tensor(buf, [segment], pb, f"kv_manifest[{i}]")
