@@ -22,7 +22,7 @@ from models.base import ChunkedImport, State, batch_positions, close_span, end_i
 from models.kv_import import KvWriter
 from models.llama import EAGER, LlamaCausalLM, compiled_pointwise
 from models.pair import ModelPair
-from sampling.transfer import pinned, to_device
+from sampling.transfer import HostCopy, pinned, to_device, to_host_async
 from sampling.tree import MAX_TREE_NODES
 
 BLOCK_SIZE = 16  # tokens per block: vLLM's default; small enough that waste per request is tiny
@@ -277,7 +277,7 @@ class PagedLlamaLM(ChunkedImport):
         after_layer(i): called once layer i's KV of these tokens is in the pool."""
         return self._run(states, [list(row) for row in ids], last_only=True, after_layer=after_layer)
 
-    layer_export = True  # extend_last(after_layer=), kv_slots and export_tensor: the KV shipped layer by layer
+    layer_export = True  # extend_last(after_layer=), kv_slots and export_async: the KV shipped layer by layer
 
     def truncate(self, state: State, length: int) -> None:
         if not 0 <= length <= len(state.tokens):
@@ -323,9 +323,18 @@ class PagedLlamaLM(ChunkedImport):
     def export_tensor(self, slots: torch.Tensor, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Wire KV tensor `index` (layer index // 2, keys or values) of the positions in `slots`
         ([n] int64 on the device): [Hkv, n, D] on the host, or copied into `out`."""
-        layer, kind = divmod(index, 2)
-        live = self.pool.kv[layer, kind].index_select(0, slots).transpose(0, 1)  # [Hkv, n, D]
+        live = self._live(slots, index)
         return live.contiguous().cpu() if out is None else out.copy_(live)
+
+    def export_async(self, slots: torch.Tensor, index: int) -> HostCopy:
+        """`export_tensor` without a host wait: the gather is queued on the current stream and
+        the copy to the host on a side stream (from a GPU), so a forward calling this between
+        its layers goes on queuing the next ones."""
+        return to_host_async(self._live(slots, index).contiguous())
+
+    def _live(self, slots: torch.Tensor, index: int) -> torch.Tensor:
+        layer, kind = divmod(index, 2)
+        return self.pool.kv[layer, kind].index_select(0, slots).transpose(0, 1)  # [Hkv, n, D]
 
     def begin_import(self, tokens: Sequence[int], reserve: int) -> State:
         """Blocks for `reserve` positions, taken at once (KvCacheFull and nothing taken if the pool

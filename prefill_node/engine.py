@@ -40,6 +40,7 @@ from protos.wire import WireDecodeRequest, kv_manifest
 from sampling import RequestRng, SamplingParams, SamplingTensors, sample_target
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
+from sampling.transfer import HostCopy
 from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
@@ -204,7 +205,7 @@ class PrefillEngine:
 
     def prefill(self, checked: Checked, sink: queue.Queue | None = None) -> Prefilled:
         """Run a checked request up to the DecodeRequest (or to its end). `sink` (see
-        `layerwise`): the KV goes there as it is computed, as (tensor index, host tensor), then
+        `layerwise`): the KV goes there as it is computed, as (tensor index, HostCopy), then
         the proposal (the returned `wire`, first_token_id and proposal only), or None when
         the request ends at its first token or fails: protos.wire.layered_chunks reads it."""
         return self.prefill_many([checked], [sink])[0]
@@ -355,9 +356,9 @@ class PrefillEngine:
         def after_layer(layer: int) -> None:
             for job in jobs:
                 for index in (2 * layer, 2 * layer + 1):
-                    tensor = target.export_tensor(slots[id(job)], index)
-                    job.sent_bytes += tensor.numel() * tensor.element_size()
-                    job.sink.put((index, tensor))
+                    copy = target.export_async(slots[id(job)], index)  # the sender waits for it, not the forward
+                    job.sent_bytes += copy.host.numel() * copy.host.element_size()
+                    job.sink.put((index, copy))
 
         return after_layer
 
@@ -367,7 +368,7 @@ class PrefillEngine:
         if not job.sent_bytes:
             for index, tensor in enumerate(self.pair.target.export_state(job.state)):
                 job.sent_bytes += tensor.numel() * tensor.element_size()
-                job.sink.put((index, tensor))
+                job.sink.put((index, HostCopy(tensor)))
         tail = pdspec_pb2.DecodeRequest(first_token_id=job.first)
         wire = WireDecodeRequest(tail)
         self._encode(proposal, tail, wire)

@@ -235,7 +235,8 @@ def layered_chunks(
     header: WireDecodeRequest, manifest: Sequence[pdspec_pb2.TensorPB], sink: queue.Queue, chunk_bytes: int
 ) -> Iterator[HeaderChunkOut | KvChunkOut]:
     """The DecodeStream messages of a request whose KV is sent as it is computed: the header
-    (`proposal_follows`), then each KV tensor in slices as `sink` yields it ((index, tensor)),
+    (`proposal_follows`), then each KV tensor in slices as `sink` yields it ((index, copy):
+    a sampling.transfer.HostCopy, waited for here, in the sending thread),
     then the proposal when `sink` yields it (a WireDecodeRequest of first_token_id and
     proposal). `None` from `sink` ends the stream short: the decode node refuses it and frees
     what it reserved."""
@@ -246,8 +247,8 @@ def layered_chunks(
         if isinstance(item, WireDecodeRequest):
             yield HeaderChunkOut(item, [])
             return
-        index, tensor = item
-        view = host_bytes(tensor)
+        index, copy = item
+        view = host_bytes(copy.wait())
         for offset in range(0, len(view), chunk_bytes):
             yield KvChunkOut(index, offset, view[offset : offset + chunk_bytes])
 

@@ -1,13 +1,19 @@
-"""Host -> device copies that do not make the host wait for the device.
+"""Host <-> device copies that do not make the host wait for the device.
 
 A copy from pageable host memory is synchronous: the host waits until the stream has run
 everything queued before it, on a decode step a whole forward, and the kernels queued
 after the copy then start one launch at a time. Staged through pinned memory the copy is
 queued like a kernel and the host goes on queuing the step's work while the forward runs.
 torch's pinned-memory cache keeps each staging buffer alive until its copy has run.
+The other way (`to_host_async`), a copy into pinned memory on a side stream lets the host
+queue more work (the next layers of a forward) while it runs, and wait only where the
+bytes are read.
 """
 
 from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -31,3 +37,44 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def device_tensor(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """`torch.tensor(data, dtype=dtype, device=device)` without a host wait on a GPU."""
     return to_device(torch.tensor(data, dtype=dtype), device)
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """A tensor on its way to the host: `wait()` returns the host tensor once it is there."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None = None  # None: already on the host
+
+    def wait(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()  # releases the GIL while it waits
+        return self.host
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_COPY_STREAMS_LOCK = threading.Lock()
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    with _COPY_STREAMS_LOCK:
+        if device not in _COPY_STREAMS:
+            _COPY_STREAMS[device] = torch.cuda.Stream(device)
+        return _COPY_STREAMS[device]
+
+
+def to_host_async(tensor: torch.Tensor) -> HostCopy:
+    """`tensor` copied to pinned host memory on a side stream, after the work queued so far on
+    the current stream: the host does not wait here, and the kernels queued after this do not
+    wait for the copy. A host tensor is returned as it is."""
+    if tensor.device.type != "cuda":
+        return HostCopy(tensor.cpu())
+    stream = _copy_stream(tensor.device)
+    stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is written
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    with torch.cuda.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    tensor.record_stream(stream)  # its memory is not reused before the copy has read it
+    return HostCopy(host, done)

@@ -16,6 +16,7 @@ pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 from decode_node.engine import DecodeConfig
 from models.loader import load_pair
 from prefill_node.engine import PrefillConfig
+from protos import pdspec_pb2
 from sampling.proposal import DraftLaw
 from tests.models.hf_fixtures import make_family_checkpoint, make_tokenizer
 from tests.nodes.conftest import cluster, wait_until
@@ -139,7 +140,6 @@ def test_a_decode_step_waits_for_the_gpu_once_per_read(gpu_pair, law, k, sampled
     from decode_node.engine import DecodeEngine
     from engine.paged_lm import paged_pair
     from prefill_node.engine import PrefillEngine
-    from protos import pdspec_pb2
     from protos.validation import Receiver, validate_decode_request
 
     pair = paged_pair(gpu_pair, 64 << 20)
@@ -165,3 +165,54 @@ def test_a_decode_step_waits_for_the_gpu_once_per_read(gpu_pair, law, k, sampled
     while decode.load:
         decode.step()
     assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
+
+
+def test_the_layer_by_layer_export_makes_the_forward_wait_for_no_copy(gpu_pair):
+    """--kv-layerwise on a GPU: each layer's K and V are gathered on the compute stream and
+    copied into pinned host memory on a side stream, so the prefill's forward waits for none
+    of them (the thread sending them waits); what ships equals the export after the prefill."""
+    import queue
+
+    from engine.paged_lm import paged_pair
+    from prefill_node.engine import PrefillEngine
+    from protos import wire
+
+    pair = paged_pair(gpu_pair, 64 << 20)
+    engine = PrefillEngine(pair, PrefillConfig(device="cuda", kv_streaming=True, kv_layerwise=True))
+    sampling = pdspec_pb2.SamplingParams(do_sample=True, seed=5, max_new_tokens=8)
+    checked = engine.check(pdspec_pb2.GenerateRequest(prompt_token_ids=list(range(3, 80)), sampling=sampling))
+    assert engine.layerwise(checked)
+    engine.prefill(checked, queue.Queue())  # kernels chosen, pinned buffers cached
+    sink: queue.Queue = queue.Queue()
+    with host_waits() as waits:
+        engine.prefill(checked, sink)
+    in_forward = [w for w in waits if any(f in w for f in ("paged_lm.py", "llama.py", "transfer.py"))]
+    assert not in_forward, waits
+    items = []
+    while not isinstance(item := sink.get_nowait(), wire.WireDecodeRequest):
+        items.append(item)
+    solo = engine.prefill(checked)  # exported after the prefill, synchronously
+    assert [index for index, _ in items] == list(range(len(solo.kv)))
+    for (_, copy), want in zip(items, solo.kv, strict=True):
+        got = copy.wait()
+        assert got.is_pinned() and torch.equal(got, want)
+    assert item.header.first_token_id == solo.first_token
+    assert item.to_message().proposal == solo.decode_request.proposal
+    assert pair.target.pool.used_blocks == 0
+
+
+def test_layer_by_layer_nodes_on_the_gpu_give_the_tokens_of_the_one_message_path(gpu_pair):
+    prompt = list(range(3, 60))
+    outs = {}
+    for layerwise in (False, True):
+        config = PrefillConfig(device="cuda", kv_streaming=layerwise, kv_layerwise=layerwise, kv_chunk_bytes=1000)
+        with cluster(gpu_pair, DecodeConfig(device="cuda"), config) as (client, prefill, decode):
+            checked = prefill.engine.check(pdspec_pb2.GenerateRequest(prompt_token_ids=prompt))
+            assert prefill.engine.layerwise(checked) is layerwise
+            outs[layerwise] = [
+                client.generate(prompt_token_ids=prompt, seed=3, max_new_tokens=12, temperature=0.8).token_ids,
+                client.generate(prompt_token_ids=prompt, greedy=True, max_new_tokens=12).token_ids,
+            ]
+            wait_until(lambda d=decode: d.engine.load == 0, what="engine idle")
+            assert decode.engine.pair.target.pool.used_blocks == 0
+    assert outs[True] == outs[False] and len(outs[True][0]) == 12

@@ -35,18 +35,18 @@ def test_layer_by_layer_gives_the_tokens_of_the_one_message_path(llama_pair, mon
     from engine.paged_lm import PagedLlamaLM
 
     events = []  # the target's KV exports (tensor index) and the ends of its prefill forwards ("end")
-    export_tensor, extend_last = PagedLlamaLM.export_tensor, PagedLlamaLM.extend_last
+    live, extend_last = PagedLlamaLM._live, PagedLlamaLM.extend_last
 
-    def spy_export(self, slots, index, out=None):
+    def spy_export(self, slots, index):  # the gather both exports (after, and during the forward) make
         events.append(index)
-        return export_tensor(self, slots, index, out)
+        return live(self, slots, index)
 
     def spy_forward(self, *args, **kwargs):
         logits = extend_last(self, *args, **kwargs)
         events.append("end")
         return logits
 
-    monkeypatch.setattr(PagedLlamaLM, "export_tensor", spy_export)
+    monkeypatch.setattr(PagedLlamaLM, "_live", spy_export)
     monkeypatch.setattr(PagedLlamaLM, "extend_last", spy_forward)
     outs, kv, computed = {}, {}, {}
     for layerwise in (False, True):
@@ -108,7 +108,7 @@ def _parts(prefill):
             break
     *kv, tail = items
     head = wire.HeaderChunkOut(header, manifest, proposal_follows=True)
-    slices = [wire.KvChunkOut(index, 0, wire.host_bytes(tensor)) for index, tensor in kv]
+    slices = [wire.KvChunkOut(index, 0, wire.host_bytes(copy.wait())) for index, copy in kv]
     return head, slices, wire.HeaderChunkOut(tail, [])
 
 
@@ -172,8 +172,8 @@ def test_a_chunked_prompt_in_a_batch_ships_the_export_of_its_solo_run(llama_pair
         items.append(item)
     solo = engine.prefill(a)
     assert [index for index, _ in items] == list(range(len(solo.kv)))
-    for (_, tensor), want in zip(items, solo.kv, strict=True):
-        assert torch.equal(tensor, want)
+    for (_, copy), want in zip(items, solo.kv, strict=True):
+        assert torch.equal(copy.wait(), want)
     assert item is shipped.wire and item.header.first_token_id == solo.first_token
     assert item.to_message().proposal == solo.decode_request.proposal
     assert other.kv and not shipped.kv and shipped.kv_bytes == solo.kv_bytes
