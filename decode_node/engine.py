@@ -89,7 +89,8 @@ class Request:
     """One in-flight request; the servicer reads `events` and may call engine.cancel."""
 
     input: DecodeInput
-    events: queue.Queue = field(default_factory=queue.Queue)
+    # one put per request per step, by the engine thread: SimpleQueue's is C, with no Condition to notify
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
     # Streamed: the KV is not in `input`; the servicer writes it into target_state once

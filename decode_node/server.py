@@ -384,7 +384,7 @@ def _ends(context, within_s: float = 0.5) -> bool:
     return True
 
 
-def _coalesce(event: Event, events: queue.Queue) -> Event:
+def _coalesce(event: Event, events: queue.SimpleQueue) -> Event:
     """The event and every later one already queued, as one: a stream that fell behind the
     engine catches up in one message instead of one per step."""
     while not (event.finished or event.error):
