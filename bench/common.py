@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import datetime
 import json
 import os
 import platform
+import re
+import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +44,29 @@ def environment() -> dict[str, str]:
     except ImportError:
         pass
     return env
+
+
+def gil_holders(pid: int, seconds: int, rate: int = 250, top: int = 20) -> dict:
+    """Who holds process `pid`'s GIL (py-spy's --gil sampling for `seconds`): the share of
+    samples in which any thread held it, and the functions (inclusive) those samples were in,
+    as a share of them. Needs the py-spy executable (pip install py-spy)."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        raise RuntimeError("py-spy: expected on PATH (pip install py-spy), got none")
+    with tempfile.NamedTemporaryFile(suffix=".txt") as out:
+        cmd = [spy, "record", "--gil", "--nonblocking", "-f", "raw", "-r", str(rate), "-d", str(seconds)]
+        subprocess.run([*cmd, "-p", str(pid), "-o", out.name], check=True, capture_output=True)
+        lines = Path(out.name).read_text().splitlines()
+    held, inclusive = 0, collections.Counter()
+    for line in lines:
+        stack, count = line.rsplit(" ", 1)
+        held += int(count)
+        for frame in {re.sub(r":\d+\)$", ")", f) for f in stack.split(";")}:  # each function once per sample
+            inclusive[frame] += int(count)
+    return {
+        "gil_held": held / (seconds * rate),
+        "functions": [(frame, n / held) for frame, n in inclusive.most_common(top)] if held else [],
+    }
 
 
 def median_ms(fn: Callable[[], object], *, warmup: int = 3, repeat: int = 15, sync: Callable[[], None] = lambda: None):

@@ -12,6 +12,8 @@ Sections (each row says what it measures):
   against the floor; the model forward alone; transformers' `generate` at batch 1;
 * verify: one verify pass over K+1 = 5 positions vs one single-position step, batch 1 and 32;
 * nodes: K = 0 greedy tokens/s through both nodes (prefill + decode over gRPC) at batch 1..64;
+  with --gil-profile B,..., also who holds each node's GIL in the steady phase at those batch
+  sizes (py-spy --gil; needs the py-spy executable on PATH);
 * spec: SmolLM2 + layer-skip draft through both nodes, K = 4 vs K = 0, T in {0, 1}, both
   draft laws, batch 1 and 16, with the measured accept length;
 * handoff: TTFT and KV handoff of 1k- and 4k-token prompts on the 8B shape (prefill, KV
@@ -33,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
+from bench.common import environment, gil_holders, markdown_table, write_results
 from engine.paged_lm import PagedLlamaLM, bytes_per_token
 from models.llama import LlamaCausalLM, LlamaConfig, LlamaForCausalLM, layer_skip_draft
 from models.pair import ModelPair
@@ -396,7 +398,7 @@ def _node_process(
 
 def spawn_nodes(shape: str, device: str, kv_bytes: int, *, prefill_device: str | None = None, shm: bool = False):
     """Decode (on `device`) and prefill (on `prefill_device`, default the same) nodes, each in
-    its own process; returns (prefill port, stop)."""
+    its own process; returns (prefill port, stop, each node's process id)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -417,7 +419,7 @@ def spawn_nodes(shape: str, device: str, kv_bytes: int, *, prefill_device: str |
         for process in (prefill, decode):
             process.join(60)
 
-    return prefill_port, shutdown
+    return prefill_port, shutdown, {"decode": decode.pid, "prefill": prefill.pid}
 
 
 @contextlib.contextmanager
@@ -434,6 +436,23 @@ def serving_client(port: int):
         yield client
 
 
+THREADING = ("(threading.py)", "(concurrent/futures/thread.py)")  # every thread's bottom frames
+
+
+def gil_profile(client, batch: int, prompt: list[int], pids: dict[str, int], seconds: int = 4) -> dict:
+    """Each node's GIL holders (bench.common.gil_holders) while `batch` streams are in their
+    steady phase: the sampling starts once every stream should have its first token."""
+    from concurrent import futures
+
+    with futures.ThreadPoolExecutor(1 + len(pids)) as pool:
+        streams = pool.submit(load, client, batch, 1024, 0, prompt, True)
+        time.sleep(1.0 + 0.08 * batch)  # past the TTFT (4.4 s at 64 streams of 256 tokens, 8B shape, H200)
+        spies = {node: pool.submit(gil_holders, pid, seconds) for node, pid in pids.items()}
+        found = {node: spy.result() for node, spy in spies.items()}
+        streams.result()
+    return found
+
+
 def bytes_per_token_of(shape: str) -> int:
     s = SHAPES[shape]
     return s["layers"] * 2 * s["kv"] * (s["hidden"] // s["heads"]) * 2
@@ -443,8 +462,8 @@ def node_sections(args, env, rows, tables) -> None:
     shape = "smoke" if args.smoke else "llama3-8b"
     per_token = bytes_per_token_of(shape) * 33 // 32  # target + a 1-layer draft
     kv_bytes = (64 * (args.context + args.tokens + 32) + 64) * per_token * 2
-    port, shutdown = spawn_nodes(shape, args.device, kv_bytes)
-    table = []
+    port, shutdown, pids = spawn_nodes(shape, args.device, kv_bytes)
+    table, gil_table = [], []
     try:
         with serving_client(port) as client:
             prompt = list(range(1, args.context + 1))
@@ -467,6 +486,12 @@ def node_sections(args, env, rows, tables) -> None:
                     ]
                 )
                 print(table[-1], flush=True)
+                if batch in args.gil_profile:
+                    for node, found in gil_profile(client, batch, prompt, pids).items():
+                        rows.append({"section": "nodes_gil", "shape": shape, "batch": batch, "node": node, **found})
+                        shown = [(f, share) for f, share in found["functions"] if not f.endswith(THREADING)]
+                        names = "; ".join(f"{f.split(' (')[0]} {share:.0%}" for f, share in shown[:6])
+                        gil_table.append([batch, node, f"{found['gil_held']:.0%}", names])
     finally:
         shutdown()
     header = [
@@ -480,6 +505,10 @@ def node_sections(args, env, rows, tables) -> None:
     tables.append(
         "### Both nodes over loopback gRPC, one process each (K = 0 greedy)\n\n" + markdown_table(header, table)
     )
+    if gil_table:
+        header = ["concurrent streams", "node", "GIL held", "held in (inclusive share of the held samples)"]
+        title = "### Who holds each node's GIL in the steady phase (py-spy --gil)"
+        tables.append(f"{title}\n\n{markdown_table(header, gil_table)}")
     if "handoff" in args.only:
         target = random_model(shape, args.device, args.dtype)
         pair = ModelPair(
@@ -617,7 +646,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256, help="context length of the decode-step rows")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per request in the node sections")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument(
+        "--gil-profile", default="", help="nodes section: at these batch sizes, sample who holds each node's GIL"
+    )
     args = parser.parse_args()
+    args.gil_profile = {int(b) for b in args.gil_profile.split(",") if b}
     args.only = set(args.only.split(","))
     args.dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
     args.batches = (1, 2) if args.smoke else (1, 8, 32, 64)

@@ -127,7 +127,7 @@ def run_setup(name: str, args, rows: list[dict], table: list[list]) -> None:
         decode_device, prefill_device = f"cuda:{decode_index}", f"cuda:{prefill_index}"
     per_token = bytes_per_token_of(args.shape) * 33 // 32  # target + the 1-layer draft
     kv_bytes = (args.steady + 24) * (args.max_prompt + 600) * per_token
-    port, shutdown = spawn_nodes(args.shape, decode_device, kv_bytes, prefill_device=prefill_device, shm=shm)
+    port, shutdown, _ = spawn_nodes(args.shape, decode_device, kv_bytes, prefill_device=prefill_device, shm=shm)
     try:
         with serving_client(port) as client:
             vocab = {"smoke": 300}.get(args.shape, 128256)
