@@ -36,8 +36,14 @@ def _derive(seed: int, stream: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def batch_uniforms(rngs: Sequence[RequestRng], n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[B, n] float32: row b is the next n uniforms of rngs[b]."""
+def batch_uniforms(
+    rngs: Sequence[RequestRng], n: int, device: torch.device | str = "cpu", draws: Sequence[bool] | None = None
+) -> torch.Tensor:
+    """[B, n] float32: row b is the next n uniforms of rngs[b]. With `draws`, a row where it is
+    False draws nothing and is zero: a greedy row, whose tokens are argmaxes that read no uniform."""
+    if draws is not None and not any(draws):
+        return torch.zeros(len(rngs), n, dtype=torch.float32, device=device)  # no draw, no copy
     if not rngs:
         return torch.empty(0, n, dtype=torch.float32, device=device)
-    return to_device(torch.stack([rng.uniforms(n) for rng in rngs]), device)
+    rows = [rng.uniforms(n) if draws is None or draws[b] else torch.zeros(n) for b, rng in enumerate(rngs)]
+    return to_device(torch.stack(rows), device)

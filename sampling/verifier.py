@@ -99,7 +99,8 @@ class Verifier:
         if len(params) != batch or len(rngs) != batch:
             raise ValueError(f"params/rngs: expected {batch} entries each, got {len(params)} and {len(rngs)}")
         rows = SamplingTensors.from_params(params, self.device)
-        uniforms = batch_uniforms(rngs, 2 * (k + 1), self.device)  # [B, 2(K+1)]
+        sampled = [not p.is_greedy for p in params]
+        uniforms = batch_uniforms(rngs, 2 * (k + 1), self.device, sampled)  # [B, 2(K+1)], greedy rows 0
         target = sample_target(target_logits, rows, uniforms[:, : k + 1])
         output, emitted = self.sampler(
             to_device(draft_token_ids, self.device),
@@ -134,7 +135,9 @@ class Verifier:
             raise ValueError(f"params/rngs/num_nodes: expected {batch} entries each")
         rows = SamplingTensors.from_params(params, self.device)
         uniforms = torch.zeros(batch, 2 * (n + 1))  # [B, 2(N+1)]; row b uses 2(N_b+1) of them
-        for b, (rng, nodes) in enumerate(zip(rngs, num_nodes, strict=True)):
+        for b, (rng, nodes, p) in enumerate(zip(rngs, num_nodes, params, strict=True)):
+            if p.is_greedy:
+                continue  # argmaxes read no uniform: a greedy row draws none (left 0)
             drawn = rng.uniforms(2 * (nodes + 1))
             uniforms[b, : nodes + 1], uniforms[b, n + 1 : n + 2 + nodes] = drawn[: nodes + 1], drawn[nodes + 1 :]
         # The residual uniform of each context: rejection uniform (its last child + 1).

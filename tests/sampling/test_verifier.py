@@ -66,3 +66,48 @@ def test_greedy_rows_match_target_argmax():
         emitted = result.emitted(b)
         assert emitted == greedy[b, : len(emitted)].tolist()
         assert len(emitted) >= 2
+
+
+def test_greedy_rows_draw_no_uniforms_and_emit_what_drawn_ones_would():
+    """A greedy row's tokens are argmaxes (target, recovered, bonus) and its acceptance a
+    comparison, so verify draws nothing from its generator; a sampled row draws 2(K+1)."""
+    verifier = Verifier(backend="torch")
+    batch = 12
+    params = [SamplingParams(do_sample=b % 3 == 0, temperature=0.8, top_k=1 if b == 6 else 0) for b in range(batch)]
+    draft_ids, draft_probs, logits = step_inputs(batch, seed=6)
+    rngs = [RequestRng(b) for b in range(batch)]
+    result = verifier.verify(draft_ids, draft_probs, logits, params, rngs)
+    for b, (p, rng) in enumerate(zip(params, rngs, strict=True)):
+        fresh = RequestRng(b)
+        if not p.is_greedy:
+            fresh.uniforms(2 * (K + 1))  # what a sampled row consumed
+        assert torch.equal(rng.uniforms(4), fresh.uniforms(4)), b
+    # The greedy rows' tokens are those the same rows give with uniforms drawn (the torch
+    # reference, which reads them only for sampled rows).
+    from sampling import SamplingTensors, rejection_sample, sample_target
+
+    rows = SamplingTensors.from_params(params)
+    uniforms = torch.rand(batch, 2 * (K + 1), generator=torch.Generator().manual_seed(9))
+    target = sample_target(logits, rows, uniforms[:, : K + 1])
+    drawn, emitted = rejection_sample(
+        draft_ids, draft_probs, target.probs, target.token_ids, uniforms[:, K + 1 :].contiguous(), rows.do_sample
+    )
+    for b, p in enumerate(params):
+        if p.is_greedy:
+            assert result.emitted(b) == drawn[b, : int(emitted[b])].tolist(), b
+
+
+def test_greedy_tree_rows_draw_no_uniforms():
+    verifier = Verifier(backend="torch")
+    batch = 4
+    params = [SamplingParams(do_sample=b % 2 == 0) for b in range(batch)]
+    draft_ids, draft_probs, logits = step_inputs(batch, seed=8)
+    parents = torch.tensor([[-1, 0, 1]] * batch)  # chains, as trees
+    rngs = [RequestRng(b) for b in range(batch)]
+    result = verifier.verify_tree(draft_ids, parents, [K] * batch, draft_probs, logits, params, rngs)
+    assert result.accepted_token_num.shape == (batch,)
+    for b, (p, rng) in enumerate(zip(params, rngs, strict=True)):
+        fresh = RequestRng(b)
+        if not p.is_greedy:
+            fresh.uniforms(2 * (K + 1))
+        assert torch.equal(rng.uniforms(4), fresh.uniforms(4)), b
