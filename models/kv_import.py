@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,18 +27,10 @@ import torch
 
 from protos.contract import KvTensorSpec
 from protos.wire import host_bytes
+from sampling.transfer import side_stream
 
 Buffer = bytes | bytearray | memoryview
 STAGING_BYTES = 4 << 20  # a GPU import's pinned and device staging buffers: the default --kv-chunk-bytes
-_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-_STREAMS_LOCK = threading.Lock()
-
-
-def _import_stream(device: torch.device) -> torch.cuda.Stream:
-    with _STREAMS_LOCK:
-        if device not in _STREAMS:
-            _STREAMS[device] = torch.cuda.Stream(device)
-        return _STREAMS[device]
 
 
 class KvWriter:
@@ -65,7 +56,7 @@ class KvWriter:
         self.gpu = self.device.type != "cpu"
         self._slots = slots.numpy()  # the slot of a partial row, read on the host
         if self.gpu:
-            self.stream = _import_stream(self.device)
+            self.stream = side_stream(self.device, "kv-import")
             with torch.cuda.stream(self.stream):  # the allocator ties what the import uses to its stream
                 self._index = slots.to(self.device)
             self._dest = [s.view(torch.uint8) for s in storages]  # [slots, kv_heads, row bytes]

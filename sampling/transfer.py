@@ -52,15 +52,18 @@ class HostCopy:
         return self.host
 
 
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-_COPY_STREAMS_LOCK = threading.Lock()
+_SIDE_STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+_SIDE_STREAMS_LOCK = threading.Lock()
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    with _COPY_STREAMS_LOCK:
-        if device not in _COPY_STREAMS:
-            _COPY_STREAMS[device] = torch.cuda.Stream(device)
-        return _COPY_STREAMS[device]
+def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
+    """The process's one stream for `purpose` ("kv-import", "kv-export") on a GPU: copies
+    queued there overlap the compute stream's kernels."""
+    with _SIDE_STREAMS_LOCK:
+        key = (device, purpose)
+        if key not in _SIDE_STREAMS:
+            _SIDE_STREAMS[key] = torch.cuda.Stream(device)
+        return _SIDE_STREAMS[key]
 
 
 def to_host_async(tensor: torch.Tensor) -> HostCopy:
@@ -69,7 +72,7 @@ def to_host_async(tensor: torch.Tensor) -> HostCopy:
     wait for the copy. A host tensor is returned as it is."""
     if tensor.device.type != "cuda":
         return HostCopy(tensor.cpu())
-    stream = _copy_stream(tensor.device)
+    stream = side_stream(tensor.device, "kv-export")
     stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is written
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     with torch.cuda.stream(stream):
