@@ -283,6 +283,8 @@ def _fields(buf: memoryview, start: int, end: int, where: str) -> Iterator[tuple
         value = pos + 1
         if key >= 0x80:
             key, value = _varint_at(buf, pos, end, where)
+            if value - pos > 5:  # a padded key: protobuf refuses the message
+                raise WireError(where, f"a field key of {value - pos} bytes (at most 5)")
         number, wire_type = key >> 3, key & 7
         if not 1 <= number <= _MAX_FIELD:
             raise WireError(where, f"field number {number}")
@@ -290,7 +292,10 @@ def _fields(buf: memoryview, start: int, end: int, where: str) -> Iterator[tuple
             if value < end and buf[value] < 0x80:
                 length, value = buf[value], value + 1
             else:
+                at = value
                 length, value = _varint_at(buf, value, end, f"{where}.#{number}")
+                if value - at > 5:  # a padded length: protobuf refuses the message
+                    raise WireError(f"{where}.#{number}", f"a length of {value - at} bytes (at most 5)")
             stop = value + length
         elif wire_type == 0:
             _, stop = _varint_at(buf, value, end, f"{where}.#{number}")
@@ -334,7 +339,7 @@ def _split(
 def _merge(message, data: Buffer, where: str) -> None:
     try:
         message.MergeFromString(data)
-    except DecodeError as err:
+    except (DecodeError, UnicodeDecodeError) as err:  # the pure-Python runtime: bad UTF-8 in a string
         raise WireError(where, f"unparsable ({err})") from err
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import tracemalloc
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from protos.validation import DecodeInput, validate_decode_request
 from tests.protos.factory import KV_LAYOUT, RECEIVER, valid_request
 
 DataType = pdspec_pb2.TensorPB.DataType
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def unknown_fields(draw) -> bytes:
@@ -261,3 +263,35 @@ def test_random_field_order_of_a_real_request():
         random.Random(seed).shuffle(parts)
         data = b"".join(parts)
         assert wire.parse_decode_request(data).to_message() == pdspec_pb2.DecodeRequest.FromString(data)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        bytes([0x8A, 0x80, 0x80, 0x80, 0x80, 0x00, 0x00]),  # field 1 (request_id), its key padded to 6 bytes
+        bytes([0xCA, 0x80, 0x80, 0x80, 0x80, 0x00, 0x00]),  # field 9 (a KV tensor, walked here): the same
+        bytes([0x4A, 0x80, 0x80, 0x80, 0x80, 0x80, 0x00]),  # field 9 with its length padded to 6 bytes
+    ],
+    ids=["padded-key", "padded-key-walked", "padded-length-walked"],
+)
+def test_padded_keys_and_lengths_are_refused_as_protobuf_refuses_them(data):
+    with pytest.raises(DecodeError):
+        pdspec_pb2.DecodeRequest.FromString(data)
+    assert wire.parse_decode_request(data).error is not None
+    assert wire.parse_decode_chunk(bytes([0x0A, len(data)]) + data).error is not None
+
+
+def test_bad_utf8_is_refused_under_the_pure_python_runtime():
+    """The pure-Python protobuf runtime raises UnicodeDecodeError, not DecodeError, on a string
+    that is not UTF-8: the parser still answers with an error instead of raising in gRPC."""
+    import subprocess
+    import sys
+
+    code = (
+        "from google.protobuf.internal import api_implementation as a; assert a.Type() == 'python';"
+        "from protos import wire; r = wire.parse_decode_request(bytes([0x0A, 2, 0xC3, 0x28]));"
+        "assert r.error is not None and r.error.field == 'request', r; print('refused')"
+    )
+    env = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python", "PATH": ""}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.returncode == 0 and "refused" in out.stdout, out.stderr
