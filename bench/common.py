@@ -47,15 +47,18 @@ def environment() -> dict[str, str]:
 
 
 def gil_holders(pid: int, seconds: int, rate: int = 250, top: int = 20) -> dict:
-    """Who holds process `pid`'s GIL (py-spy's --gil sampling for `seconds`): the share of
-    samples in which any thread held it, and the functions (inclusive) those samples were in,
-    as a share of them. Needs the py-spy executable (pip install py-spy)."""
+    """Who holds process `pid`'s GIL (py-spy's --gil sampling for `seconds`): the share of the
+    nominal seconds x rate samples in which any thread held it (low if py-spy fell behind), and
+    the functions (inclusive) those samples were in, as a share of them. Needs the py-spy
+    executable (pip install py-spy) and the right to ptrace `pid`."""
     spy = shutil.which("py-spy")
     if spy is None:
         raise RuntimeError("py-spy: expected on PATH (pip install py-spy), got none")
     with tempfile.NamedTemporaryFile(suffix=".txt") as out:
         cmd = [spy, "record", "--gil", "--nonblocking", "-f", "raw", "-r", str(rate), "-d", str(seconds)]
-        subprocess.run([*cmd, "-p", str(pid), "-o", out.name], check=True, capture_output=True)
+        done = subprocess.run([*cmd, "-p", str(pid), "-o", out.name], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"py-spy on pid {pid}: exit {done.returncode}: {done.stderr.strip()[-300:]}")
         lines = Path(out.name).read_text().splitlines()
     held, inclusive = 0, collections.Counter()
     for line in lines:

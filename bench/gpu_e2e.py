@@ -437,6 +437,7 @@ def serving_client(port: int):
 
 
 THREADING = ("(threading.py)", "(concurrent/futures/thread.py)")  # every thread's bottom frames
+GIL_PROFILE_TOKENS = 1024  # new tokens per stream while profiling: its steady phase outlasts the sampling
 
 
 def gil_profile(client, batch: int, prompt: list[int], pids: dict[str, int], seconds: int = 4) -> dict:
@@ -445,7 +446,7 @@ def gil_profile(client, batch: int, prompt: list[int], pids: dict[str, int], sec
     from concurrent import futures
 
     with futures.ThreadPoolExecutor(1 + len(pids)) as pool:
-        streams = pool.submit(load, client, batch, 1024, 0, prompt, True)
+        streams = pool.submit(load, client, batch, GIL_PROFILE_TOKENS, 0, prompt, True)
         time.sleep(1.0 + 0.08 * batch)  # past the TTFT (4.4 s at 64 streams of 256 tokens, 8B shape, H200)
         spies = {node: pool.submit(gil_holders, pid, seconds) for node, pid in pids.items()}
         found = {node: spy.result() for node, spy in spies.items()}
@@ -461,7 +462,8 @@ def bytes_per_token_of(shape: str) -> int:
 def node_sections(args, env, rows, tables) -> None:
     shape = "smoke" if args.smoke else "llama3-8b"
     per_token = bytes_per_token_of(shape) * 33 // 32  # target + a 1-layer draft
-    kv_bytes = (64 * (args.context + args.tokens + 32) + 64) * per_token * 2
+    tokens = max(args.tokens, GIL_PROFILE_TOKENS if args.gil_profile else 0)  # 64 streams fit the pool
+    kv_bytes = (64 * (args.context + tokens + 32) + 64) * per_token * 2
     port, shutdown, pids = spawn_nodes(shape, args.device, kv_bytes)
     table, gil_table = [], []
     try:
@@ -487,7 +489,12 @@ def node_sections(args, env, rows, tables) -> None:
                 )
                 print(table[-1], flush=True)
                 if batch in args.gil_profile:
-                    for node, found in gil_profile(client, batch, prompt, pids).items():
+                    try:
+                        profiles = gil_profile(client, batch, prompt, pids)
+                    except RuntimeError as err:  # no py-spy, no ptrace right: the tables still get written
+                        gil_table.append([batch, "-", "", str(err)])
+                        profiles = {}
+                    for node, found in profiles.items():
                         rows.append({"section": "nodes_gil", "shape": shape, "batch": batch, "node": node, **found})
                         shown = [(f, share) for f, share in found["functions"] if not f.endswith(THREADING)]
                         names = "; ".join(f"{f.split(' (')[0]} {share:.0%}" for f, share in shown[:6])
@@ -654,6 +661,8 @@ def main() -> None:
     args.only = set(args.only.split(","))
     args.dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
     args.batches = (1, 2) if args.smoke else (1, 8, 32, 64)
+    if not args.gil_profile <= set(args.batches):
+        parser.error(f"--gil-profile: expected batch sizes among {list(args.batches)}, got {sorted(args.gil_profile)}")
     if args.smoke:
         args.context, args.tokens, args.repeat = 32, 8, 3
     env = environment()

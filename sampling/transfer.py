@@ -13,6 +13,7 @@ bytes are read.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -45,11 +46,28 @@ class HostCopy:
 
     host: torch.Tensor
     done: torch.cuda.Event | None = None  # None: already on the host
+    device: torch.device | None = None  # the GPU the copy runs on
 
     def wait(self) -> torch.Tensor:
         if self.done is not None:
-            self.done.synchronize()  # releases the GIL while it waits
+            # The waiting thread (gRPC's) may have no device set: without this, the runtime
+            # would give it a context on GPU 0 whatever GPU the copy runs on.
+            with torch.cuda.device(self.device):
+                self.done.synchronize()  # a blocking event: the thread sleeps, the GIL released
         return self.host
+
+
+# Pinned bytes of exports not yet read (a sender slower than the forward would otherwise pin a
+# whole prompt's KV per request, and torch's pinned cache keeps what it has pinned): beyond
+# this an export is a plain synchronous copy to pageable memory.
+PINNED_EXPORT_BYTES = 1 << 30
+_pinned = [0]
+_PINNED_LOCK = threading.Lock()
+
+
+def _unpin(nbytes: int) -> None:
+    with _PINNED_LOCK:
+        _pinned[0] -= nbytes
 
 
 _SIDE_STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
@@ -66,18 +84,28 @@ def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
         return _SIDE_STREAMS[key]
 
 
-def to_host_async(tensor: torch.Tensor) -> HostCopy:
+def to_host_async(tensor: torch.Tensor, limit: int = PINNED_EXPORT_BYTES) -> HostCopy:
     """`tensor` copied to pinned host memory on a side stream, after the work queued so far on
     the current stream: the host does not wait here, and the kernels queued after this do not
-    wait for the copy. A host tensor is returned as it is."""
+    wait for the copy. A host tensor is returned as it is. While `limit` bytes of such copies
+    are unread, the copy is synchronous instead (pageable memory; the host waits)."""
     if tensor.device.type != "cuda":
+        return HostCopy(tensor.cpu())
+    nbytes = tensor.numel() * tensor.element_size()
+    with _PINNED_LOCK:
+        pinned = _pinned[0] + nbytes <= limit
+        if pinned:
+            _pinned[0] += nbytes
+    if not pinned:
         return HostCopy(tensor.cpu())
     stream = side_stream(tensor.device, "kv-export")
     stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is written
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    # Counted while its HostCopy holds it: the sender drops that once every slice is serialized.
+    weakref.finalize(host, _unpin, nbytes)
     with torch.cuda.stream(stream):
         host.copy_(tensor, non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(blocking=True)
         done.record(stream)
     tensor.record_stream(stream)  # its memory is not reused before the copy has read it
-    return HostCopy(host, done)
+    return HostCopy(host, done, tensor.device)
