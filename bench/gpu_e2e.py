@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 import sys
 import threading
@@ -303,13 +304,15 @@ def serve(
 
 def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy: bool, temperature: float = 1.0):
     """`batch` concurrent streams; returns (tokens/s over the whole run, accept length, ttfts,
-    steady inter-token gaps: each response's wait over its tokens, once every stream has its
-    first token, so that no admission of another stream is inside a gap)."""
+    steady inter-token gaps, the steady window (start, end) in perf_counter seconds). Steady: from the moment the last
+    stream got its first token from the decode node (every KV handed over, every stream
+    admitted) to the moment the first stream finished, so every stream decodes throughout and
+    no admission falls inside a gap; a gap is a response's wait over the tokens it carries."""
     results = [None] * batch
 
     def one(i: int) -> None:
         started = last = time.perf_counter()
-        ttft, out, gaps = None, [], []
+        ttft, decoding, out, gaps = None, None, [], []
         stats = None
         for response in client.stream(
             prompt_token_ids=prompt_ids,
@@ -322,14 +325,15 @@ def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy:
         ):
             now = time.perf_counter()
             if ttft is None:
-                ttft = now - started
+                ttft = now - started  # the prefill node's token
             elif response.token_ids:
-                gaps.append((last, (now - last) / len(response.token_ids), len(response.token_ids)))
+                decoding = decoding or now  # the decode node's first
+                gaps.append((last, now, (now - last) / len(response.token_ids), len(response.token_ids)))
             last = now
             out += response.token_ids
             if response.finished:
                 stats = response.stats
-        results[i] = (len(out), ttft, stats, gaps, started + ttft)
+        results[i] = (len(out), ttft, stats, gaps, decoding, last)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
     start = time.perf_counter()
@@ -341,9 +345,11 @@ def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy:
     generated = sum(r[0] for r in results)
     steps = sum(r[2].verify_steps for r in results)
     accepted = sum(r[2].accepted_tokens for r in results)
-    everyone = max(r[4] for r in results)  # when the last stream got its first token
-    gaps = [gap for r in results for since, gap, n in r[3] if since >= everyone for _ in range(n)]
-    return generated / elapsed, ((accepted + steps) / steps if steps else None), [r[1] for r in results], gaps
+    begin = max((r[4] for r in results if r[4] is not None), default=math.inf)
+    end = min(r[5] for r in results)
+    gaps = [gap for r in results for since, until, gap, n in r[3] if since >= begin and until <= end for _ in range(n)]
+    accept = (accepted + steps) / steps if steps else None
+    return generated / elapsed, accept, [r[1] for r in results], gaps, (begin, end)
 
 
 def _node_process(
@@ -368,7 +374,7 @@ def _node_process(
         config = DecodeNodeConfig(
             host="127.0.0.1",
             port=0,
-            metrics_port=None,
+            metrics_port=0,  # any free port: the bench reads the engine's step times there
             models=spec,
             engine=DecodeConfig(device=device, max_batch=64, max_queue=256),
             limits=RequestLimits(max_prompt_tokens=8192),
@@ -392,34 +398,36 @@ def _node_process(
         )
         context = run_prefill(config, lambda: pair)
     with context as node:
-        ports.put(node.port)
+        ports.put((node.port, node.metrics_port))
         stop.wait()
 
 
 def spawn_nodes(shape: str, device: str, kv_bytes: int, *, prefill_device: str | None = None, shm: bool = False):
     """Decode (on `device`) and prefill (on `prefill_device`, default the same) nodes, each in
-    its own process; returns (prefill port, stop, each node's process id)."""
+    its own process; returns (prefill port, stop, each node's process id and the decode
+    node's /metrics port)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     stop, ports = ctx.Event(), ctx.Queue()
     decode = ctx.Process(target=_node_process, args=("decode", shape, device, kv_bytes, "", ports, stop, shm))
     decode.start()
-    decode_port = ports.get(timeout=600)
+    decode_port, decode_metrics = ports.get(timeout=600)
     prefill_kv = 8200 * 2 * bytes_per_token_of(shape)
     prefill = ctx.Process(
         target=_node_process,
         args=("prefill", shape, prefill_device or device, prefill_kv, f"127.0.0.1:{decode_port}", ports, stop, shm),
     )
     prefill.start()
-    prefill_port = ports.get(timeout=600)
+    prefill_port, _ = ports.get(timeout=600)
 
     def shutdown() -> None:
         stop.set()
         for process in (prefill, decode):
             process.join(60)
 
-    return prefill_port, shutdown, {"decode": decode.pid, "prefill": prefill.pid}
+    nodes = {"decode": {"pid": decode.pid, "metrics_port": decode_metrics}, "prefill": {"pid": prefill.pid}}
+    return prefill_port, shutdown, nodes
 
 
 @contextlib.contextmanager
@@ -434,6 +442,51 @@ def serving_client(port: int):
         while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
             time.sleep(0.2)
         yield client
+
+
+class EngineSteps:
+    """Samples the decode node's pdspec_engine_step_seconds (sum, count) every `period` s while
+    the block runs; `mean_within(start, end)` is the mean step between two perf_counter times."""
+
+    def __init__(self, metrics_port: int, period: float = 0.1) -> None:
+        self.url, self.period = f"http://127.0.0.1:{metrics_port}/metrics", period
+        self.samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> EngineSteps:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        while not self._stop.wait(self.period):
+            now = time.perf_counter()
+            text = urllib.request.urlopen(self.url, timeout=5).read().decode()
+            found = {}
+            for family in text_string_to_metric_families(text):
+                if family.name == "pdspec_engine_step_seconds":
+                    found = {s.name: s.value for s in family.samples if s.name.endswith(("_sum", "_count"))}
+            self.samples.append(
+                (
+                    now,
+                    found.get("pdspec_engine_step_seconds_sum", 0.0),
+                    found.get("pdspec_engine_step_seconds_count", 0.0),
+                )
+            )
+
+    def mean_within(self, start: float, end: float) -> float:
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2 or inside[-1][2] == inside[0][2]:
+            return float("nan")
+        return (inside[-1][1] - inside[0][1]) / (inside[-1][2] - inside[0][2])
 
 
 THREADING = ("(threading.py)", "(concurrent/futures/thread.py)")  # every thread's bottom frames
@@ -464,7 +517,8 @@ def node_sections(args, env, rows, tables) -> None:
     per_token = bytes_per_token_of(shape) * 33 // 32  # target + a 1-layer draft
     tokens = max(args.tokens, GIL_PROFILE_TOKENS if args.gil_profile else 0)  # 64 streams fit the pool
     kv_bytes = (64 * (args.context + tokens + 32) + 64) * per_token * 2
-    port, shutdown, pids = spawn_nodes(shape, args.device, kv_bytes)
+    port, shutdown, nodes = spawn_nodes(shape, args.device, kv_bytes)
+    pids = {node: info["pid"] for node, info in nodes.items()}
     table, gil_table = [], []
     try:
         with serving_client(port) as client:
@@ -472,10 +526,20 @@ def node_sections(args, env, rows, tables) -> None:
             load(client, 4, 8, 0, prompt, greedy=True)  # warm-up: graphs captured, kernels chosen
             for batch in args.batches:
                 load(client, batch, 8, 0, prompt, greedy=True)
-                tps, _, ttfts, gaps = load(client, batch, args.tokens, 0, prompt, greedy=True)
+                with EngineSteps(nodes["decode"]["metrics_port"]) as steps:
+                    tps, _, ttfts, gaps, window = load(client, batch, args.tokens, 0, prompt, greedy=True)
                 itl = statistics.median(gaps) if gaps else float("nan")
+                step = steps.mean_within(*window)
                 rows.append(
-                    {"section": "nodes", "shape": shape, "batch": batch, "tokens_per_s": tps, "itl_p50_ms": itl * 1e3}
+                    {
+                        "section": "nodes",
+                        "shape": shape,
+                        "batch": batch,
+                        "tokens_per_s": tps,
+                        "itl_p50_ms": itl * 1e3,
+                        "steady_s": max(0.0, window[1] - window[0]),
+                        "engine_step_ms": step * 1e3,
+                    }
                 )
                 table.append(
                     [
@@ -484,7 +548,9 @@ def node_sections(args, env, rows, tables) -> None:
                         f"{tps:.0f}",
                         f"{tps / batch:.1f}",
                         f"{statistics.median(ttfts) * 1e3:.0f}",
+                        f"{max(0.0, window[1] - window[0]):.2f}",
                         f"{itl * 1e3:.2f}",
+                        f"{step * 1e3:.2f}",
                     ]
                 )
                 print(table[-1], flush=True)
@@ -507,7 +573,9 @@ def node_sections(args, env, rows, tables) -> None:
         "tokens/s (all)",
         "tokens/s per stream",
         "TTFT p50 ms",
+        "steady window s",
         "steady ITL p50 ms",
+        "decode engine step ms (mean, steady window)",
     ]
     tables.append(
         "### Both nodes over loopback gRPC, one process each (K = 0 greedy)\n\n" + markdown_table(header, table)
@@ -611,8 +679,8 @@ def spec_section(args, env, rows, tables) -> None:
                 for temperature in (0.0, 1.0):
                     greedy, t = temperature == 0, max(temperature, 1e-3)
                     for batch in (1, 16) if not args.smoke else (1, 2):
-                        base, _, _, _ = load(client, batch, args.tokens, 0, prompt, greedy, t)
-                        spec, accept, _, _ = load(client, batch, args.tokens, 4, prompt, greedy, t)
+                        base, *_ = load(client, batch, args.tokens, 0, prompt, greedy, t)
+                        spec, accept, *_ = load(client, batch, args.tokens, 4, prompt, greedy, t)
                         rows.append(
                             {
                                 "section": "spec",
@@ -651,7 +719,9 @@ def main() -> None:
     parser.add_argument("--draft-layers", type=int, nargs="+", default=[8, 28])
     parser.add_argument("--only", default="step,hf,nodes,handoff,spec")
     parser.add_argument("--context", type=int, default=256, help="context length of the decode-step rows")
-    parser.add_argument("--tokens", type=int, default=128, help="new tokens per request in the node sections")
+    parser.add_argument(
+        "--tokens", type=int, default=512, help="new tokens per request, node sections (a steady window needs many)"
+    )
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument(
         "--gil-profile", default="", help="nodes section: at these batch sizes, sample who holds each node's GIL"

@@ -246,10 +246,14 @@ class DecodeEngine:
     def step(self) -> None:
         """Admit waiting requests (in arrival order, while slots and KV blocks last), then one
         speculative step for every active one. Every request that leaves frees its KV."""
+        started = time.perf_counter()
         with on_device(self.config.device):
-            self._step()
+            ran = self._step()
+        if ran and self.metrics:
+            self.metrics.engine_step.labels("decode").observe(time.perf_counter() - started)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One step; False when no request was running (nothing was timed)."""
         admitted = []
         with self._lock:
             room = self.config.max_batch - len(self._active)
@@ -281,7 +285,7 @@ class DecodeEngine:
             live.append(request)
         self._active = live
         if not live:
-            return
+            return False
         try:
             self._speculate(live)
         except Exception as err:  # a bug must not take the node down: fail these requests
@@ -293,6 +297,7 @@ class DecodeEngine:
         for request in self._active:
             (self._retire if request.cancelled.is_set() else kept.append)(request)
         self._active = kept
+        return True
 
     def _claim(self, request: Request) -> bool:
         """Reserve the request's target KV for all it may need (`kv_tokens`); False when the pools

@@ -114,6 +114,13 @@ class NodeMetrics:
             buckets=FAST_BUCKETS,
             registry=reg,
         )
+        self.engine_step = Histogram(
+            "pdspec_engine_step_seconds",
+            "Wall time of one decode engine step over its running batch (drafting, verify, emitting)",
+            ["node"],
+            buckets=FAST_BUCKETS,
+            registry=reg,
+        )
         self.node_info = Info("pdspec_node", "The node: role, version, models, device, backends", registry=reg)
         self._preinitialise(max_speculative_tokens, fields)
 

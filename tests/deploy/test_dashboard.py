@@ -113,6 +113,7 @@ def test_new_panels_are_there():
         "pdspec_time_to_first_token_seconds_bucket",
         "pdspec_inter_token_latency_seconds_bucket",
         "pdspec_queue_time_seconds_bucket",
+        "pdspec_engine_step_seconds_bucket",
         "pdspec_prompt_tokens_total",
     ):
         assert name in exprs, name

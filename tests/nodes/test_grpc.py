@@ -258,8 +258,12 @@ def test_metrics_equal_the_sums_of_request_stats(pair):
             totals["accepted"][label] += out.stats.accepted_tokens
             for i, count in enumerate(out.stats.accepted_per_position):
                 per_position[label][i] += count
-        client.generate("def ", max_new_tokens=20, num_speculative_tokens=0)  # K = 0 touches no spec series
+        plain = client.generate("def ", max_new_tokens=20, num_speculative_tokens=0)  # K = 0: no spec series
         after = scrape(decode.metrics_port)
+        # One request at a time: an engine step per verify step, and per decoded token at K = 0.
+        steps = sum(totals["verify"].values()) + len(plain.token_ids) - 1
+        assert after[("pdspec_engine_step_seconds_count", (("node", "decode"),))] == steps
+        assert after[("pdspec_engine_step_seconds_sum", (("node", "decode"),))] > 0
         for label in ("true", "false"):
             key = (("do_sample", label),)
             assert after[("pdspec_spec_verify_steps_total", key)] == totals["verify"][label]
