@@ -47,8 +47,8 @@ class _Graph:
         self.ints = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
         self.positions, self.seq_lens, new_slots, key_slots, query_index, flat, self.tokens = self.ints.split(sizes)
         self.seq_lens.fill_(1)
-        query_index.copy_(torch.arange(n))
-        flat.copy_(torch.arange(n))
+        query_index.copy_(torch.arange(n, device=device))  # made on the device: no host wait at a capture
+        flat.copy_(torch.arange(n, device=device))
         self.meta = BatchMeta(
             new_slots=new_slots,  # the scratch slot
             key_slots=key_slots.view(rows, width),

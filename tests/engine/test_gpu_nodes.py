@@ -146,10 +146,11 @@ def test_a_decode_step_waits_for_the_gpu_once_per_read(gpu_pair, law, k, sampled
     prefill = PrefillEngine(pair, PrefillConfig(device="cuda", draft_law=law))
     decode = DecodeEngine(pair, DecodeConfig(device="cuda", draft_law=law, max_batch=4, max_speculative_tokens=4))
     receiver = Receiver.from_contract(pair.contract(), 4)
-    sampling = pdspec_pb2.SamplingParams(do_sample=sampled, temperature=0.8, max_new_tokens=64)
-    requests = [
+    requests = [  # seeded: an unseeded row could end early at random, and a smaller batch captures a graph
         pdspec_pb2.GenerateRequest(
-            prompt_token_ids=list(range(3, 12 + 5 * i)), num_speculative_tokens=k, sampling=sampling
+            prompt_token_ids=list(range(3, 12 + 5 * i)),
+            num_speculative_tokens=k,
+            sampling=pdspec_pb2.SamplingParams(do_sample=sampled, temperature=0.8, max_new_tokens=64, seed=i),
         )
         for i in range(3)
     ]
