@@ -142,6 +142,7 @@ class DecodeEngine:
         self._lock = threading.Condition()
         self._pending: list[Request] = []
         self._active: list[Request] = []
+        self._outbox: list[tuple[Request, Event]] = []  # events made, not yet handed to their streams (step)
         self._running = False
         self._thread: threading.Thread | None = None
 
@@ -240,17 +241,35 @@ class DecodeEngine:
                 while self._running and not self._pending and not self._active:
                     self._lock.wait()
                 if not self._running:
+                    self._deliver()
                     return
-            self.step()
+            self.step(deliver=False)
 
-    def step(self) -> None:
+    def step(self, deliver: bool = True) -> None:
         """Admit waiting requests (in arrival order, while slots and KV blocks last), then one
-        speculative step for every active one. Every request that leaves frees its KV."""
+        speculative step for every active one. Every request that leaves frees its KV.
+
+        deliver=False (the engine's own loop): the step's events stay in the outbox until the
+        next step has queued its GPU work (`_deliver` before its host read), or until no request
+        is running. The stream threads woken by them then run while this thread waits for the
+        GPU, not while it prepares the next step: on an H200 at 32 streams they took the GIL
+        ~1.8 ms per step, on the engine's critical path."""
         started = time.perf_counter()
         with on_device(self.config.device):
             ran = self._step()
+        if deliver or not self._active:
+            self._deliver()
         if ran and self.metrics:
             self.metrics.engine_step.labels("decode").observe(time.perf_counter() - started)
+
+    def _emit(self, request: Request, event: Event) -> None:
+        self._outbox.append((request, event))
+
+    def _deliver(self) -> None:
+        """Hand the outbox's events to their streams, in the order they were made."""
+        outbox, self._outbox = self._outbox, []
+        for request, event in outbox:
+            request.events.put(event)
 
     def _step(self) -> bool:
         """One step; False when no request was running (nothing was timed)."""
@@ -271,7 +290,7 @@ class DecodeEngine:
                 self._admit(request)
             except Exception as err:
                 log.exception("admission failed")
-                request.events.put(Event([], finished=True, error=f"admission failed: {err}"))
+                self._emit(request, Event([], finished=True, error=f"admission failed: {err}"))
                 request.cancelled.set()
         live = []
         for request in self._active + admitted:
@@ -291,7 +310,7 @@ class DecodeEngine:
         except Exception as err:  # a bug must not take the node down: fail these requests
             log.exception("decode step failed")
             for request in live:
-                request.events.put(Event([], finished=True, error=f"decode step failed: {err}"))
+                self._emit(request, Event([], finished=True, error=f"decode step failed: {err}"))
                 request.cancelled.set()
         kept = []
         for request in self._active:
@@ -378,6 +397,7 @@ class DecodeEngine:
             draft_ids = torch.tensor([p.draft_ids for p in proposals], dtype=torch.int64).view(len(proposals), k)
             probs = None if point_mass[0] else torch.stack([p.probs for p in proposals]).to(device)
             result = self.verifier.verify(draft_ids, probs, torch.stack(logits).to(device), params, rngs)
+            self._deliver()  # the GPU has the step: the streams take the GIL while the host waits
             emitted, _ = result.host()
             paths = [list(range(len(e) - 1)) for e in emitted]
         else:
@@ -402,6 +422,7 @@ class DecodeEngine:
             result = self.verifier.verify_tree(
                 draft_ids, parents, [len(p.draft_ids) for p in proposals], probs, target_logits, params, rngs
             )
+            self._deliver()
             emitted, paths = result.host()
         do_sample = [not p.is_greedy for p in params]  # the rows' modes, known on the host
         return list(zip(emitted, paths, do_sample, strict=True))
@@ -469,13 +490,13 @@ class DecodeEngine:
         if reason:
             self._finish(request, out, reason, logprobs)
         else:
-            request.events.put(Event(out, logprobs=logprobs))
+            self._emit(request, Event(out, logprobs=logprobs))
 
     def _finish(
         self, request: Request, tokens: list[int], reason: str, logprobs: list[TokenLogprob] | None = None
     ) -> None:
-        request.events.put(
-            Event(tokens, finished=True, finish_reason=reason, stats=request.stats, logprobs=logprobs or [])
+        self._emit(
+            request, Event(tokens, finished=True, finish_reason=reason, stats=request.stats, logprobs=logprobs or [])
         )
         request.cancelled.set()  # leaves the batch
 
