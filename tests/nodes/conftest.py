@@ -24,6 +24,16 @@ def wait_until(predicate, timeout=10.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def drain(call) -> grpc.StatusCode:
+    """A response stream read to its end: the status it ended with."""
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
 def stream_status(stub, chunks) -> tuple[grpc.StatusCode, dict[str, str]]:
     """A DecodeStream upload of `chunks` run to its end: its status and field violations."""
     from protos.status import field_violations

@@ -13,18 +13,9 @@ import grpc
 
 from decode_node.engine import DecodeConfig
 from protos import pdspec_pb2, pdspec_pb2_grpc
-from tests.nodes.conftest import cluster, wait_until
+from tests.nodes.conftest import cluster, drain, wait_until
 
 LONG = 4096  # the default --max-new-tokens-limit: a leaked request holds its slot for seconds
-
-
-def _drain(call) -> grpc.StatusCode:
-    try:
-        for _ in call:
-            pass
-    except grpc.RpcError as err:
-        return err.code()
-    return grpc.StatusCode.OK
 
 
 def _decode_request(prefill, seed: int) -> pdspec_pb2.DecodeRequest:
@@ -51,7 +42,7 @@ def test_short_deadline_storm_at_the_decode_node(pair):
         with futures.ThreadPoolExecutor(16) as pool:
             codes = list(
                 pool.map(
-                    lambda i: _drain(stub.Decode(requests[i % 8], timeout=deadlines[i])),
+                    lambda i: drain(stub.Decode(requests[i % 8], timeout=deadlines[i])),
                     range(len(deadlines)),
                 )
             )
@@ -64,7 +55,7 @@ def test_short_deadline_storm_at_the_decode_node(pair):
         assert counts == {"OK": 0, "CANCELLED": 0}
         assert 0 < decode.metrics.requests.labels("decode", "DEADLINE_EXCEEDED")._value.get() <= len(deadlines)
         # Fresh requests still fill every slot and the queue.
-        done = _drain(stub.Decode(_short(requests[0]), timeout=30))
+        done = drain(stub.Decode(_short(requests[0]), timeout=30))
         assert done is grpc.StatusCode.OK
 
 
@@ -80,7 +71,7 @@ def test_max_batch_1_survives_four_short_deadline_calls(pair):
         stub = pdspec_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(f"127.0.0.1:{decode.port}"))
         request = _decode_request(prefill, 1)
         for timeout in (0.001, 0.002, 0.005, 0.01, 0.02, 0.05) * 4:
-            assert _drain(stub.Decode(request, timeout=timeout)) is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert drain(stub.Decode(request, timeout=timeout)) is grpc.StatusCode.DEADLINE_EXCEEDED
         _settled(decode, time.monotonic())
         out = client.generate("def ", max_new_tokens=10, seed=2, timeout=10)
         assert len(out.token_ids) == 10
@@ -92,11 +83,11 @@ def test_cancel_and_deadline_storm_through_prefill(pair):
 
         def one(i: int) -> grpc.StatusCode:
             if i % 2:  # a deadline of 1-50 ms
-                return _drain(client.stream("import ", max_new_tokens=LONG, seed=i, timeout=rng.uniform(0.001, 0.05)))
+                return drain(client.stream("import ", max_new_tokens=LONG, seed=i, timeout=rng.uniform(0.001, 0.05)))
             stream = client.stream("import ", max_new_tokens=LONG, seed=i, timeout=30)
             next(stream)  # the first token came from prefill; the decode call is under way
             stream.cancel()
-            return _drain(stream)
+            return drain(stream)
 
         with futures.ThreadPoolExecutor(16) as pool:
             codes = list(pool.map(one, range(100)))

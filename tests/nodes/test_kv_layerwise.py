@@ -18,7 +18,7 @@ from prefill_node.engine import PrefillConfig
 from protos import pdspec_pb2, wire
 from protos.rpc import DecodeStub
 from tests.models.hf_fixtures import make_family_checkpoint, make_tokenizer
-from tests.nodes.conftest import cluster, stream_status, wait_until
+from tests.nodes.conftest import cluster, drain, stream_status, wait_until
 
 PROMPT = list(range(5, 45))  # 40 tokens: several 16-token blocks
 LONG = 4096  # the default --max-new-tokens-limit: a leaked request holds its decode slot for seconds
@@ -186,14 +186,6 @@ def test_cancels_and_deadlines_mid_layer_stream_free_both_nodes(llama_pair):
     hold nothing afterwards, and they still serve."""
     import random
     from concurrent import futures
-
-    def drain(call) -> grpc.StatusCode:
-        try:
-            for _ in call:
-                pass
-        except grpc.RpcError as err:
-            return err.code()
-        return grpc.StatusCode.OK
 
     config = PrefillConfig(kv_streaming=True, kv_layerwise=True, kv_chunk_bytes=512)
     with cluster(llama_pair, DecodeConfig(max_batch=4, max_queue=64), config) as (client, prefill, decode):

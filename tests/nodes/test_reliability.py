@@ -29,7 +29,7 @@ from pdspec.client import Client
 from prefill_node.server import PrefillNodeConfig
 from prefill_node.server import run_server as run_prefill
 from protos import pdspec_pb2, pdspec_pb2_grpc
-from tests.nodes.conftest import cluster, health_status, wait_until
+from tests.nodes.conftest import cluster, drain, health_status, wait_until
 from tests.nodes.test_faults import free_port
 
 LONG = 4096  # the default --max-new-tokens-limit: ~14 s of the n-gram pair alone, longer at batch 4
@@ -320,12 +320,7 @@ def test_rss_and_threads_flat_after_cancels_and_deadlines(pair):
                 stream = client.stream("import ", max_new_tokens=LONG, seed=i, timeout=30)
                 next(stream)
                 stream.cancel()
-            try:
-                for _ in stream:
-                    pass
-            except grpc.RpcError as err:
-                return err.code()
-            return grpc.StatusCode.OK
+            return drain(stream)
 
         def storm(n: int, offset: int) -> set:
             with futures.ThreadPoolExecutor(16) as pool:
