@@ -1,22 +1,28 @@
 """Attention over the paged KV pool, by backend (the comparison the GPU-engine issue asks for).
 
     python bench/attention.py [--device cuda] [--batches 1,8,32,64] [--contexts 256,1024,4096]
-                              [--queries 1,5] [--repeat 50] [--smoke]
+                              [--queries 1,5] [--repeat 50] [--no-flex] [--name attention] [--smoke]
 
 One layer of the Llama-3-8B shape (32 query heads, 8 KV heads, head dim 128; bf16 on a GPU,
 float32 on the CPU) on a `KvPool` of 16-token blocks handed out in a shuffled order, as after a
 while of serving. Per (rows, context, queries per row), each backend writes the step's new keys
 and values into their slots and attends every query to its row's live slots:
-* `gather + SDPA` — the engine's `PagedBatch.attend`: each row's live slots gathered through its
-  block table into a padded copy, then SDPA (GQA-packed for several queries per row);
+* `gather + SDPA` — `PagedBatch.attend` without a kernel (the torch reference): each row's live
+  slots gathered through its block table into a padded copy, then SDPA (GQA-packed for several
+  queries per row);
+* `Triton` — `PagedBatch.attend` with engine/triton_attention.paged_attention: the same slots
+  read in place, one program per (row, KV head, 256-key split), the splits merged (CUDA/ROCm);
 * `FlexAttention` — `flex_attention` with the rows as the batch and the whole pool as every
   row's key sequence (a stride-0 view: nothing copied), a block mask built from the block tables
   (`mask_mod`: the slot's owner and position) telling each row which 128-slot key blocks to
-  read; building the mask is per-step work and is timed apart;
+  read; building the mask is per-step work and is timed apart. It is compiled once per shape,
+  so dynamo's recompile limit is raised to cover every case (past it, dynamo falls back to the
+  eager path, which materialises the scores over the whole pool);
 * `SDPA, contiguous` — each row's KV already contiguous (no paging), SDPA only: what reading the
   blocks in place could reach at best.
-Outputs are checked against `gather + SDPA` before timing. Medians of `--repeat` calls.
-Writes bench/results/attention-*.json.
+Outputs are checked against `gather + SDPA` before timing. Medians of `--repeat` calls, each
+a CUDA-graph replay on a GPU (the engine replays graphs; eager calls would time the launches).
+Writes bench/results/<name>-*.json.
 """
 
 from __future__ import annotations
@@ -40,9 +46,20 @@ HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 
 
 def timed(fn, device: str, repeat: int) -> float:
-    """Median seconds of fn() (CUDA events on a GPU)."""
+    """Median seconds of fn(). On a GPU fn is captured in a CUDA graph first and each replay is
+    timed with CUDA events, as the engine runs it: eager launches would time the host instead."""
     for _ in range(3):
         fn()
+    if device != "cpu":
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+        except RuntimeError as err:  # not capturable (a host sync inside): timed eagerly
+            print(f"  (eager: {str(err)[:80]})", flush=True)
+        else:
+            fn = graph.replay
+            fn()
     times = []
     for _ in range(repeat):
         if device == "cpu":
@@ -94,6 +111,11 @@ class Case:
     def gather_sdpa(self) -> torch.Tensor:
         return PagedBatch(self.pool, self.meta, dense=True).attend(0, self.q, self.kv)  # [N, Hq, D]
 
+    def triton(self) -> torch.Tensor:
+        from engine.triton_attention import paged_attention
+
+        return PagedBatch(self.pool, self.meta, dense=True, kernel=paged_attention).attend(0, self.q, self.kv)
+
     def contiguous_inputs(self):
         """Each row's keys and values as [R, Hkv, L, D] (made once, outside the timing)."""
         self.gather_sdpa()  # the new KV in its slots
@@ -140,9 +162,13 @@ def measure(case: Case, attend, device: str, repeat: int, tolerance: float) -> d
         "queries": case.queries,
         "gather_sdpa_ms": timed(case.gather_sdpa, device, repeat) * 1e3,
         "contiguous_sdpa_ms": timed(lambda: case.contiguous_sdpa(keys, values, allowed), device, repeat) * 1e3,
+        "triton_ms": None,
         "flex_ms": None,
         "flex_mask_ms": None,
     }
+    if device != "cpu":
+        torch.testing.assert_close(case.triton(), want, atol=tolerance, rtol=tolerance)
+        row["triton_ms"] = timed(case.triton, device, repeat) * 1e3
     if attend is not None:
         mask = case.block_mask()
         torch.testing.assert_close(case.flex(attend, mask), want, atol=tolerance, rtol=tolerance)
@@ -159,6 +185,7 @@ def main() -> None:
     parser.add_argument("--queries", default="1,5")
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes a while)")
+    parser.add_argument("--name", default="attention", help="results file prefix")
     parser.add_argument("--smoke", action="store_true", help="one small case (the CPU is fine)")
     args = parser.parse_args()
     if args.smoke:
@@ -170,6 +197,8 @@ def main() -> None:
     if not args.no_flex:
         from torch.nn.attention.flex_attention import flex_attention
 
+        cases = len(args.queries.split(",")) * len(args.contexts.split(",")) * len(args.batches.split(","))
+        torch._dynamo.config.recompile_limit = max(8, 2 * cases)
         attend = torch.compile(flex_attention, dynamic=False)
     rows, table = [], []
     for queries in (int(q) for q in args.queries.split(",")):
@@ -179,12 +208,14 @@ def main() -> None:
                 rows.append(row)
                 flex = "" if row["flex_ms"] is None else f"{row['flex_ms']:.3f}"
                 mask_ms = "" if row["flex_mask_ms"] is None else f"{row['flex_mask_ms']:.3f}"
+                kernel = "" if row["triton_ms"] is None else f"{row['triton_ms']:.3f}"
                 table.append(
                     [
                         batch,
                         context,
                         queries,
                         f"{row['gather_sdpa_ms']:.3f}",
+                        kernel,
                         flex,
                         mask_ms,
                         f"{row['contiguous_sdpa_ms']:.3f}",
@@ -196,6 +227,7 @@ def main() -> None:
         "context",
         "queries/row",
         "gather + SDPA ms",
+        "Triton ms",
         "FlexAttention ms",
         "its mask ms",
         "SDPA contiguous ms",
@@ -203,7 +235,7 @@ def main() -> None:
     text = markdown_table(header, table)
     print(text)
     if not args.smoke:
-        print("wrote", write_results("attention", environment(), rows, text))
+        print("wrote", write_results(args.name, environment(), rows, text))
 
 
 if __name__ == "__main__":

@@ -486,7 +486,10 @@ def run_server(
 ) -> Iterator[RunningDecodeNode]:
     """Load the models, start serving; NOT_SERVING is reported until both are done."""
     pair = paged_pair(
-        (pair_loader or config.models.load)(), config.models.kv_budget(), eager=config.models.enforce_eager
+        (pair_loader or config.models.load)(),
+        config.models.kv_budget(),
+        eager=config.models.enforce_eager,
+        attention=config.models.attention_backend,
     )
     contract = pair.contract()
     trees = pair.target.supports_trees and pair.draft.supports_trees and config.engine.max_draft_candidates > 1

@@ -12,14 +12,16 @@ DecodeStream's header arrives), so reserving and releasing hold the pool's lock.
 
 `PagedBatch` is the models' `KvStore` for one ragged forward over such sequences: it writes
 the new keys/values into their slots with one `index_copy_` per layer and attends each row's
-queries over that row's live slots only (gathered through its block table, padded to the
-longest row of the batch, or to the graph bucket's width, and masked causally).
+queries over that row's live slots only, masked causally (or by the row's tree): on a GPU with
+the Triton kernel reading the slots in place (engine/triton_attention.py), elsewhere (and for
+prompt chunks) by gathering them through the block table into a copy padded to the longest row
+of the batch, or the graph bucket's width, and running SDPA: the torch reference.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -133,6 +135,7 @@ class BatchMeta:
 
     new_slots: torch.Tensor  # [N] int64: the slot of every new token (flattened)
     key_slots: torch.Tensor  # [R, W] int64: row r's key slots, scratch where r has fewer
+    key_count: torch.Tensor  # [R] int64: row r's live keys after this forward (padding rows: W)
     mask: torch.Tensor  # [R, 1, Q, W] bool: True = may attend
     query_index: torch.Tensor  # [R, Q] int64: flattened token of query (r, i) (0 for padding)
     flat: torch.Tensor  # [N] int64: (r, i) -> r * Q + i, back from padded to flattened
@@ -141,7 +144,7 @@ class BatchMeta:
         return BatchMeta(*(to_device(t, device) for t in self.tensors()))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.new_slots, self.key_slots, self.mask, self.query_index, self.flat)
+        return (self.new_slots, self.key_slots, self.key_count, self.mask, self.query_index, self.flat)
 
 
 def batch_meta(
@@ -204,16 +207,17 @@ def batch_meta(
         starts = np.cumsum(new) - new  # [R] first flattened token of each row
         query_index = np.where(valid, starts[:, None] + offset, 0)
         new_slots = new_slots[valid]
-    arrays = (new_slots, key_slots, allowed[:, None], query_index, flat)
+    key_count = np.where(np.arange(rows) < real, live, width)  # padding rows attend to all W (scratch) keys
+    arrays = (new_slots, key_slots, key_count, allowed[:, None], query_index, flat)
     return BatchMeta(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
 
 
 @dataclass
 class PagedBatch:
     """A `KvStore` (models/llama.py) for one ragged forward over paged sequences: writes
-    the new keys/values into their slots with one `index_copy_` per layer, gathers every
-    row's live keys and values through its block table and runs one SDPA for
-    the batch. The metadata is built on the host once per forward and shared by every
+    the new keys/values into their slots with one `index_copy_` per layer, then attends with
+    `kernel` if given, else gathers every row's live keys and values through its block table
+    and runs one SDPA for the batch. The metadata is built on the host once per forward and shared by every
     layer; a captured graph keeps one static `BatchMeta` and refills it before each replay.
 
     dense: every row brings the same number of tokens and no padding query exists in
@@ -223,6 +227,9 @@ class PagedBatch:
     pool: KvPool
     meta: BatchMeta
     dense: bool = False
+    # (q_rows, cache, key_slots, key_count, mask) -> [R, Q, Hq, D]: attention reading the pool in place
+    # (engine/triton_attention.paged_attention); None: the gather + SDPA below
+    kernel: Callable[..., torch.Tensor] | None = None
     _grouped_mask: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -234,6 +241,10 @@ class PagedBatch:
         hkv = cache.shape[2]
         q_rows = q if self.dense else q[meta.query_index.view(-1)]
         q_rows = q_rows.view(rows, queries, hq, d)  # [R, Q, Hq, D]
+        if self.kernel is not None:
+            out = self.kernel(q_rows, cache, meta.key_slots, meta.key_count, meta.mask)
+            out = out.view(rows * queries, hq, d)
+            return out if self.dense else out[meta.flat]  # [N, Hq, D]
         # two dim-0 gathers: torch's vectorized gather kernel (one gather over dim 1 of `cache`
         # takes the element-wise index kernel, several times slower at batch 64)
         keys = cache[0][meta.key_slots].transpose(1, 2)  # [R, Hkv, W, D]

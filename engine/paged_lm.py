@@ -43,15 +43,19 @@ class _Graph:
 
     def __init__(self, rows: int, queries: int, width: int, device) -> None:
         n = rows * queries
-        sizes = (n, n, n, rows * width, n, n, n)  # positions, seq_lens, new_slots, key_slots, query_index, flat, tokens
+        # positions, seq_lens, new_slots, key_slots, key_count, query_index, flat, tokens
+        sizes = (n, n, n, rows * width, rows, n, n, n)
         self.ints = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
-        self.positions, self.seq_lens, new_slots, key_slots, query_index, flat, self.tokens = self.ints.split(sizes)
+        parts = self.ints.split(sizes)
+        self.positions, self.seq_lens, new_slots, key_slots, key_count, query_index, flat, self.tokens = parts
         self.seq_lens.fill_(1)
+        key_count.fill_(width)
         query_index.copy_(torch.arange(n, device=device))  # made on the device: no host wait at a capture
         flat.copy_(torch.arange(n, device=device))
         self.meta = BatchMeta(
             new_slots=new_slots,  # the scratch slot
             key_slots=key_slots.view(rows, width),
+            key_count=key_count,
             mask=torch.ones(rows, 1, queries, width, dtype=torch.bool, device=device),
             query_index=query_index.view(rows, queries),
             flat=flat,
@@ -67,6 +71,7 @@ class _Graph:
             seq_lens,
             meta.new_slots,
             meta.key_slots.reshape(-1),
+            meta.key_count,
             meta.query_index.reshape(-1),
             meta.flat,
         ]
@@ -78,8 +83,25 @@ class _Graph:
         self.meta.mask.copy_(pinned(meta.mask), non_blocking=True)
 
 
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
+
+
+def attention_backend(choice: str, device: torch.device, eager: bool) -> str:
+    """`--attention-backend`: "triton" (the pool read in place, engine/triton_attention.py) or
+    "sdpa" (block-table gathers + torch SDPA, the reference). auto: triton on a GPU with Triton
+    unless --enforce-eager (no compiled kernels); the CPU always runs SDPA."""
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {choice!r}")
+    available = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    if choice == "triton" and not available:
+        raise ValueError(f"attention_backend: 'triton' needs a CUDA or ROCm device with Triton, got {device}")
+    if choice == "auto":
+        return "triton" if available and not eager else "sdpa"
+    return choice
+
+
 class PagedLlamaLM(ChunkedImport):
-    def __init__(self, model: LlamaCausalLM, pool: KvPool, *, eager: bool = False) -> None:
+    def __init__(self, model: LlamaCausalLM, pool: KvPool, *, eager: bool = False, attention: str = "auto") -> None:
         self.model = model
         self.pool = pool
         self.graphs = not eager and pool.kv.device.type == "cuda"  # hipGraphs on ROCm: same API
@@ -87,6 +109,12 @@ class PagedLlamaLM(ChunkedImport):
         # without Triton run them eagerly
         compiled = self.graphs and importlib.util.find_spec("triton") is not None
         self.ops = compiled_pointwise() if compiled else EAGER
+        self.attention = attention_backend(attention, pool.kv.device, eager)
+        self._kernel = None
+        if self.attention == "triton":
+            from engine import triton_attention
+
+            self._kernel = triton_attention
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.module, self.config, self.num_layers = model.module, model.config, model.num_layers
@@ -99,9 +127,24 @@ class PagedLlamaLM(ChunkedImport):
         """Tokens run through the forward (kept on the wrapped model, so a pair counts once)."""
         return self.model.positions_computed
 
+    def _store(self, meta: BatchMeta, dense: bool) -> PagedBatch:
+        """The KvStore of one forward: the Triton kernel where its tile holds a row's queries
+        (decode, verify, draft steps), SDPA for prompt chunks."""
+        kernel = self._kernel
+        c = self.config
+        if kernel is not None and kernel.fits(meta.query_index.shape[1], c.num_heads, c.num_kv_heads):
+            return PagedBatch(self.pool, meta, dense=dense, kernel=kernel.paged_attention)
+        return PagedBatch(self.pool, meta, dense=dense)
+
     @classmethod
     def with_pool(
-        cls, model: LlamaCausalLM, kv_bytes: int, block_size: int = BLOCK_SIZE, *, eager: bool = False
+        cls,
+        model: LlamaCausalLM,
+        kv_bytes: int,
+        block_size: int = BLOCK_SIZE,
+        *,
+        eager: bool = False,
+        attention: str = "auto",
     ) -> PagedLlamaLM:
         c = model.config
         per_block = KvPool.bytes_per_block(model.num_layers, c.num_kv_heads, c.head_dim, block_size, model.dtype)
@@ -117,7 +160,7 @@ class PagedLlamaLM(ChunkedImport):
             dtype=model.dtype,
             device=model.device,
         )
-        return cls(model, pool, eager=eager)
+        return cls(model, pool, eager=eager, attention=attention)
 
     # -- reservations ---------------------------------------------------------------------
     def capacity_tokens(self) -> int:
@@ -168,7 +211,7 @@ class PagedLlamaLM(ChunkedImport):
                 logits = self.module(
                     to_device(tokens, self.device),
                     to_device(positions, self.device),
-                    PagedBatch(self.pool, meta, dense=dense),
+                    self._store(meta, dense),
                     logits_at=logits_at,
                     num_layers=self.num_layers,
                     seq_lens=to_device(seq_lens, self.device),
@@ -212,7 +255,7 @@ class PagedLlamaLM(ChunkedImport):
             return self.module(
                 graph.tokens,
                 graph.positions,
-                PagedBatch(self.pool, graph.meta, dense=True),
+                self._store(graph.meta, True),
                 num_layers=self.num_layers,
                 seq_lens=graph.seq_lens,
                 ops=self.ops,
@@ -351,7 +394,7 @@ class PagedLlamaLM(ChunkedImport):
         state.kv.length = len(state.tokens)
 
 
-def paged_pair(pair: ModelPair, kv_cache_bytes: int, *, eager: bool = False) -> ModelPair:
+def paged_pair(pair: ModelPair, kv_cache_bytes: int, *, eager: bool = False, attention: str = "auto") -> ModelPair:
     """The pair with its Llama models on paged pools sharing `kv_cache_bytes`: target and
     draft pools hold the same number of tokens (every request has KV in both), so the bytes
     split by their per-token sizes (a layer-skip draft of N of L layers takes N/(N+L)).
@@ -361,10 +404,12 @@ def paged_pair(pair: ModelPair, kv_cache_bytes: int, *, eager: bool = False) -> 
         return pair
     models = [pair.target] + ([pair.draft] if isinstance(pair.draft, LlamaCausalLM) else [])
     tokens = kv_cache_bytes // sum(bytes_per_token(m) for m in models)
-    target = PagedLlamaLM.with_pool(pair.target, tokens * bytes_per_token(pair.target), eager=eager)
+    target = PagedLlamaLM.with_pool(
+        pair.target, tokens * bytes_per_token(pair.target), eager=eager, attention=attention
+    )
     draft = pair.draft
     if isinstance(draft, LlamaCausalLM):
-        draft = PagedLlamaLM.with_pool(draft, tokens * bytes_per_token(draft), eager=eager)
+        draft = PagedLlamaLM.with_pool(draft, tokens * bytes_per_token(draft), eager=eager, attention=attention)
         draft.warm_up()
     target.warm_up()
     return ModelPair(target, draft, pair.d2t, pair.tokenizer)

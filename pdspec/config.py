@@ -75,6 +75,13 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
         help="on a GPU: no CUDA graphs and no compiled elementwise kernels (debugging, or no Triton)",
     )
     parser.add_flag(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "triton", "sdpa"],
+        help="paged attention on a GPU: the Triton kernel reading the pool in place, or SDPA over gathered "
+        "blocks (auto: triton where Triton runs, unless --enforce-eager)",
+    )
+    parser.add_flag(
         "--draft-sampling",
         default="point-mass",
         choices=[law.value for law in DraftLaw],
@@ -133,6 +140,7 @@ def node_options(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
             kv_cache_bytes=args.kv_cache_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enforce_eager=args.enforce_eager,
+            attention_backend=args.attention_backend,
         ),
         "max_message_bytes": args.max_message_bytes,
         "log_stats_s": args.log_stats_seconds,

@@ -31,11 +31,14 @@ class ModelSpec:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # no CUDA graphs, no compiled kernels
+    attention_backend: str = "auto"  # engine/paged_lm.attention_backend
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a value in (0, 1], got {self.gpu_memory_utilization}")
         torch.device(self.device)  # raises on a malformed device string
+        if self.attention_backend not in ("auto", "triton", "sdpa"):
+            raise ValueError(f"attention_backend: expected auto, triton or sdpa, got {self.attention_backend!r}")
 
     def load(self) -> ModelPair:
         """The pair as loaded (the node's run_server puts it on its KV pools)."""
@@ -69,6 +72,12 @@ class ModelSpec:
         return budget
 
 
+ATTENTION_NAMES = {
+    "triton": "triton paged attention, the pool read in place (prompt chunks: torch-sdpa over block-table gathers)",
+    "sdpa": "torch-sdpa over block-table gathers",
+}
+
+
 def backends(pair: ModelPair, sampler: str = "") -> dict[str, str]:
     """The backend of each part, as GetInfo and the node-info metric report it."""
     from engine.paged_lm import PagedLlamaLM
@@ -88,7 +97,7 @@ def backends(pair: ModelPair, sampler: str = "") -> dict[str, str]:
         "kv_cache": f"paged ({pair.target.pool.num_blocks} blocks of {pair.target.pool.block_size})"
         if paged
         else "none",
-        "attention": "torch-sdpa over block-table gathers" if paged else "",
+        "attention": ATTENTION_NAMES[pair.target.attention] if paged else "",
     }
     if sampler:
         out["sampler"] = sampler

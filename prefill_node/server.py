@@ -290,7 +290,10 @@ def run_server(
     config: PrefillNodeConfig, pair_loader: Callable[[], ModelPair] | None = None
 ) -> Iterator[RunningPrefillNode]:
     pair = paged_pair(
-        (pair_loader or config.models.load)(), config.models.kv_budget(), eager=config.models.enforce_eager
+        (pair_loader or config.models.load)(),
+        config.models.kv_budget(),
+        eager=config.models.enforce_eager,
+        attention=config.models.attention_backend,
     )
     engine = PrefillEngine(pair, config.engine)
     rows = max(config.engine.max_speculative_tokens, config.engine.max_tree_nodes if engine.trees else 0)

@@ -81,6 +81,37 @@ def test_captured_graphs_equal_eager(gpu_pair):
     assert len(graphed._graphs) == 6 and graphed.pool.used_blocks == 0
 
 
+def test_the_triton_attention_serves_by_default_and_matches_sdpa(gpu_pair):
+    """auto = the Triton kernel on a GPU (SDPA under --enforce-eager); prompts (SDPA either way),
+    decode and verify steps through graphs give the logits of the SDPA engine, rows reaching
+    past the kernel's first key split included."""
+    from engine.paged_lm import PagedLlamaLM, bytes_per_token
+
+    model = gpu_pair.target
+    budget = 8192 * bytes_per_token(model)
+    kernel, sdpa = (PagedLlamaLM.with_pool(model, budget, attention=a) for a in ("auto", "sdpa"))
+    assert (kernel.attention, sdpa.attention) == ("triton", "sdpa")
+    assert PagedLlamaLM.with_pool(model, budget, eager=True).attention == "sdpa"
+    for rows, queries in ((1, 1), (3, 5), (8, 1), (2, 9)):
+        states = []
+        for lm in (kernel, sdpa):
+            prompts = [[(7 * r + j) % 80 + 2 for j in range(10 + 150 * r)] for r in range(rows)]
+            row_states = [lm.prefill(p)[1] for p in prompts]
+            for st in row_states:
+                lm.reserve(st, len(st.tokens) + 2 * queries)
+            states.append(row_states)
+        for step in range(2):
+            feed = [list(range(4 + step, 4 + step + queries)) for _ in range(rows)]
+            got = kernel.extend_batch(states[0], feed)
+            want = sdpa.extend_batch(states[1], feed)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        for lm, row_states in zip((kernel, sdpa), states, strict=True):
+            for st in row_states:
+                lm.release(st)
+    assert kernel.pool.used_blocks == 0 and kernel._graphs
+
+
 @pytest.mark.parametrize("law", list(DraftLaw))
 def test_trees_on_the_gpu(gpu_pair, law):
     """Multi-draft trees on CUDA (tree attention on the paged pool, the CuPy tree kernel):
