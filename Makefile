@@ -63,6 +63,7 @@ bench-gpu: $(STAMP)
 	$(PY) bench/gpu_e2e.py
 	$(PY) bench/decode_step.py --batches 1,8,32,64
 	$(PY) bench/attention.py
+	$(PY) bench/step_kernels.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

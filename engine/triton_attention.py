@@ -16,12 +16,14 @@ result is the same bits whether it runs alone, beside longer rows, or padded to 
 bucket (a split past its live keys runs no tile and adds exact zeros). With more than one split
 a second kernel merges them by their log-sum-exp, in split order.
 
-Imports triton: load it only where `torch.cuda` runs (CUDA or ROCm).
+Imports triton: load it where `torch.cuda` runs (CUDA or ROCm), or on the CPU under Triton's
+interpreter (TRITON_INTERPRET=1, set before the import: the CPU tests run the kernel so).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -185,7 +187,8 @@ def paged_attention(
     if not fits(queries, hq, hkv):
         raise ValueError(f"q_rows: expected Q * Hq / Hkv <= {MAX_PACKED_QUERIES}, got {queries} x {hq // hkv}")
     devices = {t.device for t in (q_rows, cache, key_slots, key_count, mask)}
-    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # numpy on the CPU
+    if len(devices) != 1 or (next(iter(devices)).type != "cuda" and not interpreted):
         got = sorted(map(str, devices))
         raise ValueError(f"q_rows/cache/key_slots/key_count/mask: expected one CUDA (or ROCm) device, got {got}")
 

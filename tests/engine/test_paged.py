@@ -105,6 +105,10 @@ def test_paged_pair_splits_the_bytes_so_both_pools_hold_the_same_tokens(tmp_path
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         PagedLlamaLM.with_pool(target, 10)
     assert not paged.target.graphs and paged.target.ops is EAGER  # the CPU: no graphs, no compile
+    from pdspec.modelspec import backends
+
+    assert paged.target.attention == "sdpa"
+    assert backends(paged)["attention"] == "torch-sdpa over block-table gathers"
 
 
 def test_enforce_eager_reaches_the_model_spec():
@@ -112,6 +116,24 @@ def test_enforce_eager_reaches_the_model_spec():
 
     assert parse_args(["--enforce-eager"]).models.enforce_eager
     assert not parse_args([]).models.enforce_eager
+
+
+def test_the_attention_backend_flag_and_its_choice():
+    from decode_node.__main__ import parse_args
+    from engine.paged_lm import attention_backend
+    from pdspec.modelspec import ModelSpec
+
+    assert parse_args(["--attention-backend", "sdpa"]).models.attention_backend == "sdpa"
+    assert parse_args([]).models.attention_backend == "auto"
+    with pytest.raises(ValueError, match="attention_backend: expected auto, triton or sdpa, got 'flash'"):
+        ModelSpec(attention_backend="flash")
+    cpu = torch.device("cpu")
+    assert attention_backend("auto", cpu, eager=False) == "sdpa"  # the CPU: always the reference
+    assert attention_backend("sdpa", cpu, eager=False) == "sdpa"
+    with pytest.raises(ValueError, match="'triton' needs a CUDA or ROCm device with Triton, got cpu"):
+        attention_backend("triton", cpu, eager=False)
+    with pytest.raises(ValueError, match=r"expected one of \('auto', 'triton', 'sdpa'\), got 'x'"):
+        attention_backend("x", cpu, eager=False)
 
 
 def test_graph_bucket_padding_changes_no_real_row(models):
