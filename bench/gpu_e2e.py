@@ -30,6 +30,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -118,8 +119,10 @@ def paged(model: LlamaCausalLM, tokens: int, attention: str = "auto") -> PagedLl
     return PagedLlamaLM.with_pool(model, tokens * bytes_per_token(model), attention=attention)
 
 
-def step_rows(lm: PagedLlamaLM, batch: int, context: int, new: int, device: str, repeat: int) -> float:
-    """Median seconds of one extend over `batch` rows of `context` tokens, `new` tokens each."""
+@contextlib.contextmanager
+def prefilled_rows(lm: PagedLlamaLM, batch: int, context: int, new: int) -> Iterator[Callable[[], None]]:
+    """`batch` rows of `context` random tokens prefilled; yields one() = an extend of `new`
+    tokens per row, truncated back after (so it can repeat). Releases the rows at the end."""
     states = []
     for row in range(batch):
         ids = torch.randint(0, lm.vocab_size - 1, (context,), generator=torch.Generator().manual_seed(row)).tolist()
@@ -133,10 +136,17 @@ def step_rows(lm: PagedLlamaLM, batch: int, context: int, new: int, device: str,
         for state in states:
             lm.truncate(state, context)
 
-    seconds = timed(one, device, repeat)
-    for state in states:
-        lm.release(state)
-    return seconds
+    try:
+        yield one
+    finally:
+        for state in states:
+            lm.release(state)
+
+
+def step_rows(lm: PagedLlamaLM, batch: int, context: int, new: int, device: str, repeat: int) -> float:
+    """Median seconds of one extend over `batch` rows of `context` tokens, `new` tokens each."""
+    with prefilled_rows(lm, batch, context, new) as one:
+        return timed(one, device, repeat)
 
 
 def transformers_generate(shape: str, device: str, dtype: torch.dtype, steps: int) -> float | None:

@@ -26,46 +26,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, markdown_table, write_results
-from bench.gpu_e2e import copy_bandwidth, paged, random_model, step_rows, weight_bytes
+from bench.gpu_e2e import copy_bandwidth, paged, prefilled_rows, random_model, step_rows, weight_bytes
 
 
 def forward_kernels(lm, batch: int, queries: int, context: int) -> dict:
-    states = []
-    for row in range(batch):
-        ids = torch.randint(0, lm.vocab_size - 1, (context,), generator=torch.Generator().manual_seed(row)).tolist()
-        _, state = lm.prefill(ids)
-        lm.reserve(state, context + queries)
-        states.append(state)
-    feed = [[1] * queries for _ in range(batch)]
-
-    def one() -> None:
-        lm.extend_batch(states, feed)
-        for state in states:
-            lm.truncate(state, context)
-
-    for _ in range(3):
-        one()
-    torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+    with prefilled_rows(lm, batch, context, queries) as one:
+        for _ in range(3):
             one()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                one()
+            torch.cuda.synchronize()
+        (graph,) = [g for (rows, q, _), g in lm._graphs.items() if rows == batch and q == queries]
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(50):
+            graph.graph.replay()
+        end.record()
+        end.synchronize()
     by_name = collections.defaultdict(lambda: [0, 0.0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             by_name[event.name][0] += 1
             by_name[event.name][1] += event.device_time / 5 / 1e3  # ms per forward
-    (graph,) = [g for (rows, q, _), g in lm._graphs.items() if rows == batch and q == queries]
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(50):
-        graph.graph.replay()
-    end.record()
-    end.synchronize()
-    for state in states:
-        lm.release(state)
     top = sorted(by_name.items(), key=lambda item: -item[1][1])[:8]
     return {
         "kernels": sum(n for n, _ in by_name.values()) / 5,

@@ -64,21 +64,26 @@ def test_captured_graphs_equal_eager(gpu_pair):
     graphed, eager = (PagedLlamaLM.with_pool(model, budget, eager=e) for e in (False, True))
     for rows in (1, 3, 8):
         for queries in (1, 5):
-            states = []
-            for lm in (graphed, eager):
-                row_states = [lm.prefill(list(range(2, 10 + 3 * r)))[1] for r in range(rows)]
-                for s in row_states:
-                    lm.reserve(s, len(s.tokens) + queries)
-                states.append(row_states)
-            feed = [list(range(4, 4 + queries)) for _ in range(rows)]
-            got = graphed.extend_batch(states[0], feed)
-            want = eager.extend_batch(states[1], feed)
-            for a, b in zip(got, want, strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-            for lm, row_states in zip((graphed, eager), states, strict=True):
-                for s in row_states:
-                    lm.release(s)
+            prompts = [list(range(2, 10 + 3 * r)) for r in range(rows)]
+            assert_same_logits(graphed, eager, prompts, [[list(range(4, 4 + queries))] * rows])
     assert len(graphed._graphs) == 6 and graphed.pool.used_blocks == 0
+
+
+def assert_same_logits(first, second, prompts, feeds) -> None:
+    """Both engines prefill `prompts`, then extend every row by each feed in turn (a feed: one
+    list of ids per row); the logits agree at every step and every block is released."""
+    states = [[lm.prefill(p)[1] for p in prompts] for lm in (first, second)]
+    extra = sum(len(feed[0]) for feed in feeds)
+    for lm, rows in zip((first, second), states, strict=True):
+        for state in rows:
+            lm.reserve(state, len(state.tokens) + extra)
+    for feed in feeds:
+        got, want = first.extend_batch(states[0], feed), second.extend_batch(states[1], feed)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for lm, rows in zip((first, second), states, strict=True):
+        for state in rows:
+            lm.release(state)
 
 
 def test_the_triton_attention_serves_by_default_and_matches_sdpa(gpu_pair):
@@ -93,22 +98,9 @@ def test_the_triton_attention_serves_by_default_and_matches_sdpa(gpu_pair):
     assert (kernel.attention, sdpa.attention) == ("triton", "sdpa")
     assert PagedLlamaLM.with_pool(model, budget, eager=True).attention == "sdpa"
     for rows, queries in ((1, 1), (3, 5), (8, 1), (2, 9)):
-        states = []
-        for lm in (kernel, sdpa):
-            prompts = [[(7 * r + j) % 80 + 2 for j in range(10 + 150 * r)] for r in range(rows)]
-            row_states = [lm.prefill(p)[1] for p in prompts]
-            for st in row_states:
-                lm.reserve(st, len(st.tokens) + 2 * queries)
-            states.append(row_states)
-        for step in range(2):
-            feed = [list(range(4 + step, 4 + step + queries)) for _ in range(rows)]
-            got = kernel.extend_batch(states[0], feed)
-            want = sdpa.extend_batch(states[1], feed)
-            for a, b in zip(got, want, strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-        for lm, row_states in zip((kernel, sdpa), states, strict=True):
-            for st in row_states:
-                lm.release(st)
+        prompts = [[(7 * r + j) % 80 + 2 for j in range(10 + 150 * r)] for r in range(rows)]
+        feeds = [[list(range(4 + step, 4 + step + queries))] * rows for step in range(2)]
+        assert_same_logits(kernel, sdpa, prompts, feeds)
     assert kernel.pool.used_blocks == 0 and kernel._graphs
 
 
