@@ -55,6 +55,7 @@ def _split_kernel(
     stride_mr,
     stride_mq,
     rows,
+    width,
     scale_log2,
     Q: tl.constexpr,
     G: tl.constexpr,
@@ -83,7 +84,8 @@ def _split_kernel(
     run_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo = split * SPLIT
-    hi = tl.minimum(lo + SPLIT, tl.load(count_ptr + row))  # this split's live keys: none past them
+    # this split's live keys, and never a column past W whatever key_count says: no load out of bounds
+    hi = tl.minimum(tl.minimum(lo + SPLIT, tl.load(count_ptr + row)), width)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
@@ -220,6 +222,7 @@ def paged_attention(
         mask8.stride(0),
         mask8.stride(2),
         rows,
+        width,
         LOG2E / math.sqrt(dim),
         Q=queries,
         G=group,
