@@ -35,6 +35,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
 def node_parser(role: str, port: int, metrics_port: int, description: str) -> EnvArgumentParser:
     """The flags both nodes share; each node adds its own."""
     import pdspec
+    from engine.paged_lm import ATTENTION_BACKENDS
     from sampling.proposal import DraftLaw
 
     parser = EnvArgumentParser(role, prog=f"python -m {role}_node", description=description)
@@ -77,7 +78,7 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
     parser.add_flag(
         "--attention-backend",
         default="auto",
-        choices=["auto", "triton", "sdpa"],
+        choices=ATTENTION_BACKENDS,
         help="paged attention on a GPU: the Triton kernel reading the pool in place, or SDPA over gathered "
         "blocks (auto: triton where Triton runs, unless --enforce-eager)",
     )

@@ -37,8 +37,10 @@ class ModelSpec:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a value in (0, 1], got {self.gpu_memory_utilization}")
         torch.device(self.device)  # raises on a malformed device string
-        if self.attention_backend not in ("auto", "triton", "sdpa"):
-            raise ValueError(f"attention_backend: expected auto, triton or sdpa, got {self.attention_backend!r}")
+        from engine.paged_lm import ATTENTION_BACKENDS
+
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 
     def load(self) -> ModelPair:
         """The pair as loaded (the node's run_server puts it on its KV pools)."""

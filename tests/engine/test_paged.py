@@ -125,7 +125,9 @@ def test_the_attention_backend_flag_and_its_choice():
 
     assert parse_args(["--attention-backend", "sdpa"]).models.attention_backend == "sdpa"
     assert parse_args([]).models.attention_backend == "auto"
-    with pytest.raises(ValueError, match="attention_backend: expected auto, triton or sdpa, got 'flash'"):
+    with pytest.raises(
+        ValueError, match=r"attention_backend: expected one of \('auto', 'triton', 'sdpa'\), got 'flash'"
+    ):
         ModelSpec(attention_backend="flash")
     cpu = torch.device("cpu")
     assert attention_backend("auto", cpu, eager=False) == "sdpa"  # the CPU: always the reference

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
+if importlib.util.find_spec("triton") is None:  # a torch without Triton and no dev extra: no kernel to test
     pytest.skip("Triton is not installed", allow_module_level=True)
 GPU = torch.cuda.is_available()
 if not GPU:
