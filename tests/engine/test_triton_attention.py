@@ -99,6 +99,31 @@ def test_graph_padding_tree_masks_and_a_sliding_window(dtype):
     torch.testing.assert_close(*both(*setup(heads, [90, 600], 3, dtype, window=64)), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=str)
+def test_a_ragged_batch_through_the_flattened_layout(dtype):
+    """Rows bringing different numbers of tokens (a verify pass with mixed K, an eager catch-up):
+    the queries are gathered into the padded [R, Q] layout and back, padding queries in between."""
+    hq, hkv, dim = LLAMA3
+    gen = torch.Generator().manual_seed(9)
+    pool = KvPool(layers=1, kv_heads=hkv, head_dim=dim, num_blocks=80, block_size=BLOCK, dtype=dtype, device=DEVICE)
+    random.Random(9).shuffle(pool._free)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(dtype))
+    lengths, new = [12, 140, 0, 300], [1, 5, 3, 2]
+    seqs = []
+    for past, n in zip(lengths, new, strict=True):
+        seq = PagedSeq()
+        pool.reserve(seq, past + n)
+        seq.length = past
+        seqs.append(seq)
+    meta = batch_meta(pool, seqs, new, None).to(DEVICE)
+    q = torch.randn(sum(new), hq, dim, generator=gen).to(DEVICE, dtype)  # [N, Hq, D], flattened
+    kv = torch.randn(2, sum(new), hkv, dim, generator=gen).to(DEVICE, dtype)
+    want = PagedBatch(pool, meta).attend(0, q, kv)
+    got = PagedBatch(pool, meta, kernel=paged_attention).attend(0, q, kv)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("queries", [1, 5])
 def test_a_rows_result_is_the_same_bits_in_any_batch_and_width(queries):
     """Alone at its own width (one key split: no merge; or two), beside longer rows, padded to
