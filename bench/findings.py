@@ -35,7 +35,7 @@ from models.loader import load_pair
 from prefill_node.server import PrefillNodeConfig
 from prefill_node.server import run_server as run_prefill
 from protos import pdspec_pb2, pdspec_pb2_grpc
-from tests.nodes.conftest import cluster, wait_until
+from tests.nodes.conftest import cluster, drain, wait_until
 from tests.nodes.test_reliability import Reader, start_decode
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -51,15 +51,6 @@ def rss_mib() -> float:
 
 def threads(pid: int | None = None) -> int:
     return len(os.listdir(f"/proc/{pid or os.getpid()}/task"))
-
-
-def drain(call) -> grpc.StatusCode:
-    try:
-        for _ in call:
-            pass
-    except grpc.RpcError as err:
-        return err.code()
-    return grpc.StatusCode.OK
 
 
 def counted(node, code: str) -> float:
