@@ -1,11 +1,15 @@
 """Where a decode step's time goes outside the model forward (the GPU-engine issue's "< 10%").
 
-    python bench/decode_step.py [--device cuda] [--shape llama3-8b] [--batches 1,8] [--k 0,4] [--smoke]
+    python bench/decode_step.py [--device cuda] [--shape llama3-8b] [--batches 1,8] [--k 0,4]
+                                [--scheduling off,on] [--smoke]
 
 The decode engine alone (no gRPC): `--batches` greedy requests with a 256-token context,
 prefilled by the real prefill engine, decoded by the real DecodeEngine (K draft tokens per
 step from the 1-layer layer-skip draft of the random-weight checkpoint). Per configuration:
-* the wall time of one engine step (median over the run);
+* the wall time of one engine step: the median time between consecutive `step()` returns in a
+  run of steps (each step reads its tokens, or with async scheduling the step before's: a
+  steady period, no synchronize in between that would drain the pipeline), for each
+  `--scheduling` (the decode engine's async_scheduling: off, on) in the same run;
 * the target forward alone at the same batch and width (bench/gpu_e2e.step_rows: the graph
   replay on a GPU), so step - forward is what the engine adds: drafting, sampling, the
   rejection kernel, metadata, bookkeeping;
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import itertools
 import pstats
 import statistics
 import sys
@@ -42,10 +47,11 @@ from protos.validation import Receiver, validate_decode_request
 from sampling import DraftToTargetMap
 
 
-def engine_steps(pair: ModelPair, device: str, batch: int, k: int, context: int, steps: int):
+def engine_steps(pair: ModelPair, device: str, batch: int, k: int, context: int, steps: int, scheduling: str):
     """(median seconds per step, device ms and kernels per step or None, top host functions)."""
     prefill = PrefillEngine(pair, PrefillConfig(device=device))
-    decode = DecodeEngine(pair, DecodeConfig(device=device, max_batch=batch, max_speculative_tokens=max(k, 1)))
+    config = DecodeConfig(device=device, max_batch=batch, max_speculative_tokens=max(k, 1), async_scheduling=scheduling)
+    decode = DecodeEngine(pair, config)
     receiver = Receiver.from_contract(pair.contract(), max(k, 1))
 
     def submit(count: int, tokens: int) -> None:
@@ -66,12 +72,15 @@ def engine_steps(pair: ModelPair, device: str, batch: int, k: int, context: int,
         decode.step()
     submit(batch, (2 * steps + 20) * (k + 1))  # still running after every timed and profiled step
     decode.step()  # admission
+    decode.step()
     times = []
+    last = time.perf_counter()
     for _ in range(steps):
-        start = time.perf_counter()
         decode.step()
-        sync(device)
-        times.append(time.perf_counter() - start)
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    sync(device)
     kernels = None
     if torch.device(device).type == "cuda":
         from torch.profiler import ProfilerActivity, profile
@@ -103,6 +112,7 @@ def main() -> None:
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--k", default="0,4")
+    parser.add_argument("--scheduling", default="off,on", help="the decode engine's async_scheduling values")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="the tiny shape (CPU is fine)")
@@ -122,13 +132,14 @@ def main() -> None:
     rows, table = [], []
     for batch in batches:
         forward = step_rows(forward_lm, batch, args.context, 1, device, args.steps)
-        for k in ks:
-            step, kernels, top = engine_steps(pair, device, batch, k, args.context, args.steps)
+        for k, scheduling in itertools.product(ks, args.scheduling.split(",")):
+            step, kernels, top = engine_steps(pair, device, batch, k, args.context, args.steps, scheduling)
             outside = step - forward if k == 0 else None  # K > 0 adds a wider verify and the draft
             row = {
                 "shape": args.shape,
                 "batch": batch,
                 "k": k,
+                "async_scheduling": scheduling,
                 "step_ms": step * 1e3,
                 "forward_ms": forward * 1e3,
                 "outside_forward_ms": None if outside is None else outside * 1e3,
@@ -142,6 +153,7 @@ def main() -> None:
                     args.shape,
                     batch,
                     k,
+                    scheduling,
                     f"{step * 1e3:.2f}",
                     f"{forward * 1e3:.2f}",
                     "" if outside is None else f"{outside * 1e3:.2f} ({outside / step:.0%})",
@@ -154,6 +166,7 @@ def main() -> None:
         "shape",
         "batch",
         "K",
+        "async scheduling",
         "step ms",
         "forward ms",
         "outside the forward (K=0)",

@@ -397,10 +397,19 @@ def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy:
 
 
 def _node_process(
-    role: str, shape: str, device: str, kv_bytes: int, decode_addr: str, ports, stop, shm: bool = False
+    role: str,
+    shape: str,
+    device: str,
+    kv_bytes: int,
+    decode_addr: str,
+    ports,
+    stop,
+    shm: bool = False,
+    scheduling: str = "auto",
 ) -> None:
     """One node in its own process (as deployed: no GIL shared with the other node); `shm`:
-    the KV handed over in shared memory (--kv-transport shm / --accept-shm-kv)."""
+    the KV handed over in shared memory (--kv-transport shm / --accept-shm-kv); `scheduling`:
+    the decode node's --async-scheduling."""
     torch.manual_seed(0)
     target = random_model(shape, device, torch.bfloat16 if device != "cpu" else torch.float32)
     pair = ModelPair(target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer())
@@ -420,7 +429,7 @@ def _node_process(
             port=0,
             metrics_port=0,  # any free port: the bench reads the engine's step times there
             models=spec,
-            engine=DecodeConfig(device=device, max_batch=64, max_queue=256),
+            engine=DecodeConfig(device=device, max_batch=64, max_queue=256, async_scheduling=scheduling),
             limits=RequestLimits(max_prompt_tokens=8192),
             accept_shm_kv=shm,
         )
@@ -446,7 +455,15 @@ def _node_process(
         stop.wait()
 
 
-def spawn_nodes(shape: str, device: str, kv_bytes: int, *, prefill_device: str | None = None, shm: bool = False):
+def spawn_nodes(
+    shape: str,
+    device: str,
+    kv_bytes: int,
+    *,
+    prefill_device: str | None = None,
+    shm: bool = False,
+    scheduling: str = "auto",
+):
     """Decode (on `device`) and prefill (on `prefill_device`, default the same) nodes, each in
     its own process; returns (prefill port, stop, each node's process id and the decode
     node's /metrics port)."""
@@ -454,7 +471,9 @@ def spawn_nodes(shape: str, device: str, kv_bytes: int, *, prefill_device: str |
 
     ctx = multiprocessing.get_context("spawn")
     stop, ports = ctx.Event(), ctx.Queue()
-    decode = ctx.Process(target=_node_process, args=("decode", shape, device, kv_bytes, "", ports, stop, shm))
+    decode = ctx.Process(
+        target=_node_process, args=("decode", shape, device, kv_bytes, "", ports, stop, shm, scheduling)
+    )
     decode.start()
     decode_port, decode_metrics = ports.get(timeout=600)
     prefill_kv = 8200 * 2 * bytes_per_token_of(shape)
@@ -561,9 +580,47 @@ def node_sections(args, env, rows, tables) -> None:
     per_token = bytes_per_token_of(shape) * 33 // 32  # target + a 1-layer draft
     tokens = max(args.tokens, GIL_PROFILE_TOKENS if args.gil_profile else 0)  # 64 streams fit the pool
     kv_bytes = (64 * (args.context + tokens + 32) + 64) * per_token * 2
-    port, shutdown, nodes = spawn_nodes(shape, args.device, kv_bytes)
-    pids = {node: info["pid"] for node, info in nodes.items()}
     table, gil_table = [], []
+    for scheduling in args.scheduling:
+        port, shutdown, nodes = spawn_nodes(shape, args.device, kv_bytes, scheduling=scheduling)
+        node_runs(args, shape, scheduling, port, shutdown, nodes, rows, table, gil_table)
+    header = [
+        "shape",
+        "async scheduling",
+        "concurrent streams",
+        "tokens/s (all)",
+        "tokens/s per stream",
+        "TTFT p50 ms",
+        "steady window s",
+        "steady ITL p50 ms",
+        "decode engine step ms (mean, steady window)",
+    ]
+    tables.append(
+        "### Both nodes over loopback gRPC, one process each (K = 0 greedy)\n\n" + markdown_table(header, table)
+    )
+    if gil_table:
+        header = [
+            "async scheduling",
+            "concurrent streams",
+            "node",
+            "GIL held",
+            "held in (inclusive share of the held samples)",
+        ]
+        title = "### Who holds each node's GIL in the steady phase (py-spy --gil)"
+        tables.append(f"{title}\n\n{markdown_table(header, gil_table)}")
+    if "handoff" in args.only:
+        target = random_model(shape, args.device, args.dtype)
+        pair = ModelPair(
+            target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer()
+        )
+        _client, stack, prefill, decode = serve(pair, args.device, 2 * 4200 * (per_token + per_token))
+        with stack:
+            handoff(prefill, decode, rows, tables, args)
+
+
+def node_runs(args, shape, scheduling, port, shutdown, nodes, rows, table, gil_table) -> None:
+    """The node section's load at each batch size against one pair of node processes."""
+    pids = {node: info["pid"] for node, info in nodes.items()}
     try:
         with serving_client(port) as client:
             prompt = list(range(1, args.context + 1))
@@ -578,6 +635,7 @@ def node_sections(args, env, rows, tables) -> None:
                     {
                         "section": "nodes",
                         "shape": shape,
+                        "async_scheduling": scheduling,
                         "batch": batch,
                         "tokens_per_s": tps,
                         "itl_p50_ms": itl * 1e3,
@@ -588,6 +646,7 @@ def node_sections(args, env, rows, tables) -> None:
                 table.append(
                     [
                         shape,
+                        scheduling,
                         batch,
                         f"{tps:.0f}",
                         f"{tps / batch:.1f}",
@@ -602,40 +661,24 @@ def node_sections(args, env, rows, tables) -> None:
                     try:
                         profiles = gil_profile(client, batch, prompt, pids)
                     except RuntimeError as err:  # no py-spy, no ptrace right: the tables still get written
-                        gil_table.append([batch, "-", "", str(err)])
+                        gil_table.append([scheduling, batch, "-", "", str(err)])
                         profiles = {}
                     for node, found in profiles.items():
-                        rows.append({"section": "nodes_gil", "shape": shape, "batch": batch, "node": node, **found})
+                        rows.append(
+                            {
+                                "section": "nodes_gil",
+                                "shape": shape,
+                                "async_scheduling": scheduling,
+                                "batch": batch,
+                                "node": node,
+                                **found,
+                            }
+                        )
                         shown = [(f, share) for f, share in found["functions"] if not f.endswith(THREADING)]
                         names = "; ".join(f"{f.split(' (')[0]} {share:.0%}" for f, share in shown[:6])
-                        gil_table.append([batch, node, f"{found['gil_held']:.0%}", names])
+                        gil_table.append([scheduling, batch, node, f"{found['gil_held']:.0%}", names])
     finally:
         shutdown()
-    header = [
-        "shape",
-        "concurrent streams",
-        "tokens/s (all)",
-        "tokens/s per stream",
-        "TTFT p50 ms",
-        "steady window s",
-        "steady ITL p50 ms",
-        "decode engine step ms (mean, steady window)",
-    ]
-    tables.append(
-        "### Both nodes over loopback gRPC, one process each (K = 0 greedy)\n\n" + markdown_table(header, table)
-    )
-    if gil_table:
-        header = ["concurrent streams", "node", "GIL held", "held in (inclusive share of the held samples)"]
-        title = "### Who holds each node's GIL in the steady phase (py-spy --gil)"
-        tables.append(f"{title}\n\n{markdown_table(header, gil_table)}")
-    if "handoff" in args.only:
-        target = random_model(shape, args.device, args.dtype)
-        pair = ModelPair(
-            target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer()
-        )
-        client, stack, prefill, decode = serve(pair, args.device, 2 * 4200 * (per_token + per_token))
-        with stack:
-            handoff(prefill, decode, rows, tables, args)
 
 
 def handoff(prefill, decode, rows, tables, args) -> None:
@@ -768,11 +811,17 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument(
+        "--scheduling",
+        default="on",
+        help="nodes section: the decode node's --async-scheduling values to run (one pair of processes each)",
+    )
+    parser.add_argument(
         "--gil-profile", default="", help="nodes section: at these batch sizes, sample who holds each node's GIL"
     )
     args = parser.parse_args()
     args.gil_profile = {int(b) for b in args.gil_profile.split(",") if b}
     args.only = set(args.only.split(","))
+    args.scheduling = args.scheduling.split(",")
     args.dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
     args.batches = (1, 2) if args.smoke else (1, 8, 32, 64)
     if not args.gil_profile <= set(args.batches):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decode_node.engine import DecodeConfig
+from decode_node.engine import ASYNC_SCHEDULING, DecodeConfig
 from decode_node.server import DecodeNodeConfig, run_server
 from pdspec.config import node_options, node_parser, request_limits
 from pdspec.logs import setup_logging
@@ -19,6 +19,13 @@ def build_parser():
         default="auto",
         choices=["auto", "torch", "cupy"],
         help="rejection sampler (auto: cupy on a GPU)",
+    )
+    parser.add_flag(
+        "--async-scheduling",
+        default="auto",
+        choices=ASYNC_SCHEDULING,
+        help="queue a step without speculation before the one before it is read, so the host prepares it while "
+        "the GPU runs (auto: on a GPU)",
     )
     parser.add_flag(
         "--accept-shm-kv",
@@ -42,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
         default_max_new_tokens=args.default_max_new_tokens,
         sampler_backend=args.sampler_backend,
         device=args.device,
+        async_scheduling=args.async_scheduling,
     )
     return DecodeNodeConfig(
         engine=engine, limits=request_limits(args), accept_shm_kv=args.accept_shm_kv, **node_options(args, parser)

@@ -11,6 +11,15 @@ nodes...] of every row with tree attention, and ONE rejection-sampling launch ve
 every row (chains of one K and one law take the chain kernel, anything mixed the tree
 kernel). Emitted tokens go to the request's event queue; the servicer streams them.
 
+Async scheduling (`DecodeConfig.async_scheduling`; on a GPU by default): a step whose rows all
+decode without speculation (K = 0, no logprobs) is queued on the device before the step
+before it is read. Its input tokens are that step's sampled tokens, still on the device; its
+positions and KV slots are known without them (every row gains exactly one token). So the
+host builds step n+1 while the GPU runs step n, and reads step n only then. A row that
+finished in step n (end of sequence, a stop token, a cancel) also ran in step n+1: that token
+is dropped, and its KV is freed once step n+1 is read. A step with a speculating row waits for
+the step before it (`_drain`), then runs as before.
+
 Token bookkeeping per request: `history` = prompt + every emitted token. The target
 has consumed all of history but its last token; the draft has consumed a prefix of
 history and catches up before it proposes. The accepted path of a tree becomes history
@@ -39,7 +48,7 @@ from protos.validation import DecodeInput
 from sampling import RequestRng, SamplingTensors, Verifier
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
-from sampling.transfer import to_device
+from sampling.transfer import HostCopy, to_device, to_host_async
 from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
@@ -56,9 +65,22 @@ class DecodeConfig:
     default_max_new_tokens: int = 64
     sampler_backend: str = "auto"
     device: str = "cpu"
+    async_scheduling: str = "auto"  # on | off | auto (on where the device is a GPU)
 
     def __post_init__(self) -> None:
         check_tree_limits(self.max_draft_candidates, self.max_tree_nodes)
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            raise ValueError(f"async_scheduling: expected one of {ASYNC_SCHEDULING}, got {self.async_scheduling!r}")
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether K = 0 steps are queued before the step before them is read."""
+        if self.async_scheduling == "auto":
+            return torch.device(self.device).type == "cuda"
+        return self.async_scheduling == "on"
+
+
+ASYNC_SCHEDULING = ("auto", "on", "off")
 
 
 class QueueFull(Exception):
@@ -124,6 +146,19 @@ class _Proposal:
         return node - self.parents.index(self.parents[node])
 
 
+@dataclass
+class _InFlight:
+    """An async-scheduled step queued on the device, not yet read."""
+
+    requests: list[Request]
+    tokens: torch.Tensor  # [B] int64 on the device: each row's sampled token, the next step's input
+    copy: HostCopy  # the same tokens on their way to the host
+    slots: list[int]  # where each row's token, unread, sits in its target state's tokens
+
+
+UNREAD = -1  # a target state's token whose value is still on the device (async scheduling)
+
+
 class DecodeEngine:
     def __init__(
         self,
@@ -143,6 +178,7 @@ class DecodeEngine:
         self._pending: list[Request] = []
         self._active: list[Request] = []
         self._outbox: list[tuple[Request, Event]] = []  # events made, not yet handed to their streams (step)
+        self._inflight: _InFlight | None = None  # async scheduling: the step queued and not yet read
         self._running = False
         self._thread: threading.Thread | None = None
 
@@ -210,6 +246,11 @@ class DecodeEngine:
         return self.config.max_draft_candidates if trees else 1
 
     @property
+    def pipelined(self) -> bool:
+        """Async scheduling is on: configured so, and the target takes its input tokens from the device."""
+        return self.config.pipelined and getattr(self.pair.target, "device_tokens", False)
+
+    @property
     def load(self) -> int:
         with self._lock:
             return len(self._pending) + len(self._active)
@@ -241,9 +282,13 @@ class DecodeEngine:
                 while self._running and not self._pending and not self._active:
                     self._lock.wait()
                 if not self._running:
-                    self._deliver()
-                    return
+                    break
             self.step(deliver=False)
+        try:
+            self._drain()
+        except Exception:
+            log.exception("reading the last step failed")
+        self._deliver()
 
     def step(self, deliver: bool = True) -> None:
         """Admit waiting requests (in arrival order, while slots and KV blocks last), then one
@@ -292,31 +337,51 @@ class DecodeEngine:
                 log.exception("admission failed")
                 self._emit(request, Event([], finished=True, error=f"admission failed: {err}"))
                 request.cancelled.set()
+        self._active += admitted
+        inflight = self._inflight
+        unread = set() if inflight is None else set(inflight.requests)  # each brings one token when read
         live = []
-        for request in self._active + admitted:
+        for request in self._active:
             if request.cancelled.is_set():
-                self._retire(request)
                 continue
-            if request.remaining <= 0:
-                self._finish(request, [], "length")
-                self._retire(request)
-                continue
+            if request.remaining - (request in unread) <= 0:
+                if request not in unread:
+                    self._finish(request, [], "length")
+                continue  # else the token in flight is its last: reading it finishes the request
             live.append(request)
-        self._active = live
-        if not live:
+        if not live and inflight is None:
+            self._sweep()
             return False
         try:
-            self._speculate(live)
+            if live and self._pipelines(live):
+                self._launch(live)
+            else:
+                self._drain()
+                live = [r for r in live if not r.cancelled.is_set()]  # those that finished in it are out
+                if live:
+                    self._speculate(live)
         except Exception as err:  # a bug must not take the node down: fail these requests
             log.exception("decode step failed")
-            for request in live:
-                self._emit(request, Event([], finished=True, error=f"decode step failed: {err}"))
-                request.cancelled.set()
+            failed = live + ([] if inflight is None else inflight.requests)
+            self._inflight = None
+            for request in dict.fromkeys(failed):
+                if not request.cancelled.is_set():
+                    self._emit(request, Event([], finished=True, error=f"decode step failed: {err}"))
+                    request.cancelled.set()
+        self._sweep()
+        return True
+
+    def _sweep(self) -> None:
+        """Retire the requests that left, except those in a step still in flight: the device may
+        still write their KV, so their blocks are freed once that step is read."""
+        busy = set() if self._inflight is None else set(self._inflight.requests)
         kept = []
         for request in self._active:
-            (self._retire if request.cancelled.is_set() else kept.append)(request)
+            if request.cancelled.is_set() and request not in busy:
+                self._retire(request)
+            else:
+                kept.append(request)
         self._active = kept
-        return True
 
     def _claim(self, request: Request) -> bool:
         """Reserve the request's target KV for all it may need (`kv_tokens`); False when the pools
@@ -382,6 +447,73 @@ class DecodeEngine:
                 rows = row_logits[[0, *(n + 1 for n in path)]][: len(emitted)]  # the contexts of the emitted tokens
                 logprobs = token_logprobs(rows.to(self.verifier.device), torch.tensor(emitted), top)
             self._advance(request, emitted, logprobs)
+
+    def _pipelines(self, requests: list[Request]) -> bool:
+        """Whether this step can be queued before the step in flight is read: every row emits
+        exactly one token (no drafts) and needs nothing but its token back (no logprobs)."""
+        return self.pipelined and all(
+            not r.input.num_speculative_tokens and not len(r.input.draft_token_ids) and not r.input.logprobs
+            for r in requests
+        )
+
+    def _launch(self, requests: list[Request]) -> None:
+        """Queue a K = 0 step for `requests` (async scheduling), then read the step before it.
+        A row that was in that step feeds its token from the device; a row new to the batch
+        feeds its last history token."""
+        previous = self._inflight
+        carried = {} if previous is None else {r: i for i, r in enumerate(previous.requests)}
+        index, fresh = [], []  # row -> its token in cat(the previous step's tokens, the fresh rows' last tokens)
+        for request in requests:
+            if request in carried:
+                index.append(carried[request])
+            else:
+                index.append(len(carried) + len(fresh))
+                fresh.append(request)
+        packed = torch.tensor([*index, *(r.history[-1] for r in fresh)], dtype=torch.int64)  # one copy for both
+        packed = to_device(packed, self.config.device)
+        earlier = previous.tokens if previous is not None else packed[:0]
+        tokens = torch.cat([earlier, packed[len(requests) :]])[packed[: len(requests)]]  # [B] int64
+        for request in requests:
+            request.first_step = False
+        states = [r.target_state for r in requests]
+        logits = self.pair.target.extend_tree(
+            states, [[UNREAD]] * len(requests), [[-1]] * len(requests), device_tokens=tokens
+        )
+        slots = []
+        for state in states:
+            self.pair.target.accept_tree(state, [0])
+            slots.append(len(state.tokens) - 1)
+        no_drafts = torch.empty(len(requests), 0, dtype=torch.int64)
+        result = self.verifier.verify(
+            no_drafts,
+            None,
+            torch.stack(logits).to(self.verifier.device),
+            [r.input.params for r in requests],
+            [r.rng for r in requests],
+        )
+        sampled = result.output_token_ids[:, 0].to(torch.int64)  # [B]: K = 0 emits one token per row
+        # its own stream: not behind a KV export's copies (a prefill node in the same process)
+        self._inflight = _InFlight(requests, sampled, to_host_async(sampled, purpose="tokens"), slots)
+        if previous is not None:
+            self._read(previous)
+
+    def _drain(self) -> None:
+        """Read the step in flight, if any."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            self._read(inflight)
+
+    def _read(self, step: _InFlight) -> None:
+        """Wait for an async-scheduled step's tokens and emit them. A row that left meanwhile
+        (finished in the step before, or cancelled) drops its token."""
+        self._deliver()  # the GPU has the next step queued: the streams take the GIL while the host waits
+        tokens = step.copy.wait().tolist()
+        for request, token, slot in zip(step.requests, tokens, step.slots, strict=True):
+            if request.cancelled.is_set():
+                continue
+            request.target_state.tokens[slot] = token
+            self._advance(request, [token], [])
+        self._deliver()
 
     def _verify(
         self, requests: list[Request], proposals: list[_Proposal], logits: list[torch.Tensor]

@@ -453,7 +453,9 @@ def node_info(pair: ModelPair, config: DecodeNodeConfig, engine: DecodeEngine) -
         proposal_encoding=choose_encoding(None, engine_config.draft_law, False).value,
         version=pdspec.__version__,
         dtype=model_dtype(pair),
-        backends=json.dumps(backends(pair, engine.verifier.backend)),
+        backends=json.dumps(
+            {**backends(pair, engine.verifier.backend), "scheduling": "async" if engine.pipelined else "sync"}
+        ),
         max_new_tokens_limit=config.limits.max_new_tokens,
         max_prompt_tokens=config.limits.max_prompt_tokens,
         max_draft_candidates=engine.max_draft_candidates,

@@ -75,7 +75,7 @@ _SIDE_STREAMS_LOCK = threading.Lock()
 
 
 def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
-    """The process's one stream for `purpose` ("kv-import", "kv-export") on a GPU: copies
+    """The process's one stream for `purpose` ("kv-import", "kv-export", "tokens") on a GPU: copies
     queued there overlap the compute stream's kernels."""
     with _SIDE_STREAMS_LOCK:
         key = (device, purpose)
@@ -84,11 +84,11 @@ def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
         return _SIDE_STREAMS[key]
 
 
-def to_host_async(tensor: torch.Tensor, limit: int = PINNED_EXPORT_BYTES) -> HostCopy:
-    """`tensor` copied to pinned host memory on a side stream, after the work queued so far on
-    the current stream: the host does not wait here, and the kernels queued after this do not
-    wait for the copy. A host tensor is returned as it is. While `limit` bytes of such copies
-    are unread, the copy is synchronous instead (pageable memory; the host waits)."""
+def to_host_async(tensor: torch.Tensor, limit: int = PINNED_EXPORT_BYTES, purpose: str = "kv-export") -> HostCopy:
+    """`tensor` copied to pinned host memory on a side stream (`purpose`'s), after the work queued
+    so far on the current stream: the host does not wait here, and the kernels queued after this
+    do not wait for the copy. A host tensor is returned as it is. While `limit` bytes of such
+    copies are unread, the copy is synchronous instead (pageable memory; the host waits)."""
     if tensor.device.type != "cuda":
         return HostCopy(tensor.cpu())
     nbytes = tensor.numel() * tensor.element_size()
@@ -98,7 +98,7 @@ def to_host_async(tensor: torch.Tensor, limit: int = PINNED_EXPORT_BYTES) -> Hos
             _pinned[0] += nbytes
     if not pinned:
         return HostCopy(tensor.cpu())
-    stream = side_stream(tensor.device, "kv-export")
+    stream = side_stream(tensor.device, purpose)
     stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is written
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     # Counted while its HostCopy holds it: the sender drops that once every slice is serialized.

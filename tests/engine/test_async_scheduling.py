@@ -1,0 +1,143 @@
+"""Async scheduling (decode_node/engine.py): a K = 0 step queued before the step before it is
+read gives the tokens of the synchronous engine, token for token and seed for seed, alone and
+in a batch; rows that finish or are cancelled while a step is in flight drop its token and
+give back every KV block; a speculating row in the batch makes the step wait, and it still
+matches. On the CPU (the same code path as a GPU's, with no overlap to gain)."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+
+from decode_node.engine import DecodeConfig, DecodeEngine
+from engine.paged_lm import paged_pair
+from models.loader import load_pair
+from prefill_node.engine import PrefillConfig, PrefillEngine
+from protos import pdspec_pb2
+from protos.validation import Receiver, validate_decode_request
+from tests.models.hf_fixtures import make_family_checkpoint, make_tokenizer
+from tests.nodes.conftest import cluster, wait_until
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = make_family_checkpoint(tmp_path_factory.mktemp("async-llama"), "llama", seed=3, layers=2)
+    make_tokenizer(path, [f"w{i}" for i in range(90)])
+    return paged_pair(load_pair(target_model=path, draft_layers=1, dtype=torch.float32), 8 << 20)
+
+
+def request(prompt: int, *, k: int = 0, seed: int | None = None, max_new: int = 24, stop=(), logprobs=0):
+    sampling = pdspec_pb2.SamplingParams(
+        do_sample=seed is not None,
+        temperature=0.9,
+        max_new_tokens=max_new,
+        stop_token_ids=list(stop),
+        logprobs=logprobs,
+    )
+    if seed is not None:
+        sampling.seed = seed
+    return pdspec_pb2.GenerateRequest(
+        prompt_token_ids=list(range(3, 3 + prompt)), num_speculative_tokens=k, sampling=sampling
+    )
+
+
+def run(pair, requests, scheduling: str, *, cancel_after: dict[int, int] | None = None):
+    """The requests through a prefill engine and a decode engine stepped by hand: per request,
+    (tokens, finish reason); `cancel_after` {request: steps} cancels it after that many steps.
+    `run.computed`: the target positions the decode engine ran."""
+    prefill = PrefillEngine(pair, PrefillConfig())
+    decode = DecodeEngine(pair, DecodeConfig(max_batch=8, max_speculative_tokens=4, async_scheduling=scheduling))
+    assert decode.config.pipelined == (scheduling == "on")
+    receiver = Receiver.from_contract(pair.contract(), 4)
+    running = []
+    for prefilled in prefill.prefill_many([prefill.check(r) for r in requests]):
+        wire = pdspec_pb2.DecodeRequest.FromString(prefilled.decode_request.SerializeToString())
+        first = prefilled.decode_request.first_token_id
+        running.append((decode.submit(validate_decode_request(wire, receiver)), [first]))
+    steps, computed = 0, pair.target.positions_computed
+    out: list[tuple[list[int], str]] = [([], "")] * len(running)
+    while decode.load or any(not reason for _, reason in out):
+        decode.step()
+        steps += 1
+        assert steps < 500
+        for i, (req, tokens) in enumerate(running):
+            if (cancel_after or {}).get(i) == steps:
+                decode.cancel(req)
+            while not req.events.empty():
+                event = req.events.get()
+                assert not event.error, event.error
+                tokens += event.tokens
+                if event.finished:
+                    out[i] = (tokens, event.finish_reason)
+            if req.cancelled.is_set() and not out[i][1] and (cancel_after or {}).get(i):
+                out[i] = (tokens, "cancelled")
+    assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
+    run.computed = pair.target.positions_computed - computed
+    return out
+
+
+def test_greedy_and_seeded_rows_give_the_synchronous_tokens(pair):
+    requests = [request(5 + 3 * i, seed=None if i % 2 else i, max_new=10 + 3 * i) for i in range(6)]
+    sync = run(pair, requests, "off")
+    computed = run.computed
+    pipelined = run(pair, requests, "on")
+    assert pipelined == sync
+    assert run.computed == computed  # a row's last step is known ahead: no step runs past max_new_tokens
+    assert [len(t) for t, _ in sync] == [10 + 3 * i for i in range(6)] and {r for _, r in sync} == {"length"}
+
+
+def test_a_row_that_stops_while_a_step_is_in_flight_drops_its_token(pair):
+    """A stop token ends the row in the step read while the next is queued: that next token is
+    not emitted, and the row's blocks come back once it is read (checked in run)."""
+    (tokens, _), *_ = run(pair, [request(7, max_new=20)], "off")
+    stop = tokens[6]  # a stop token in the middle of the greedy continuation
+    cut = tokens.index(stop) + 1
+    requests = [request(7, max_new=20, stop=[stop]), request(9, seed=4, max_new=12), request(4, max_new=2)]
+    sync, pipelined = run(pair, requests, "off"), run(pair, requests, "on")
+    assert pipelined == sync
+    assert pipelined[0] == (tokens[:cut], "stop") and pipelined[2][1] == "length" and len(pipelined[2][0]) == 2
+
+
+def test_cancelled_rows_give_back_their_blocks(pair):
+    requests = [request(6 + i, seed=i, max_new=40) for i in range(4)]
+    out = run(pair, requests, "on", cancel_after={0: 1, 2: 5})
+    assert out[0][1] == out[2][1] == "cancelled" and {r for _, r in (out[1], out[3])} == {"length"}
+    assert len(out[2][0]) < 40 and [len(t) for t, _ in (out[1], out[3])] == [40, 40]
+
+
+def test_speculating_and_logprob_rows_make_the_step_wait_and_still_match(pair):
+    requests = [
+        request(5, max_new=16),
+        request(8, k=3, max_new=16),  # joins a pipelined batch: every step then waits for the one before
+        request(6, seed=9, max_new=16, logprobs=2),
+        request(10, seed=1, max_new=16),
+    ]
+    assert run(pair, requests, "on") == run(pair, requests, "off")
+
+
+def test_both_nodes_with_async_scheduling_serve_the_synchronous_streams(pair):
+    prompt = list(range(3, 19))
+
+    def generate(client, seed):
+        kwargs = {"greedy": True} if seed is None else {"seed": seed}
+        return client.generate(prompt_token_ids=prompt, max_new_tokens=18, num_speculative_tokens=0, **kwargs)
+
+    results = {}
+    for scheduling in ("off", "on"):
+        with cluster(pair, DecodeConfig(async_scheduling=scheduling, max_batch=16)) as (client, _, decode):
+            with futures.ThreadPoolExecutor(12) as workers:
+                batch = list(workers.map(lambda s: generate(client, s), [None, *range(11)]))
+            results[scheduling] = [(g.token_ids, g.finish_reason) for g in batch]
+            wait_until(lambda: decode.engine.load == 0, what="engine idle")
+            assert decode.engine.pair.target.pool.used_blocks == 0
+    assert results["on"] == results["off"] and len({tuple(t) for t, _ in results["on"]}) > 2
+
+
+def test_the_flag_is_checked():
+    with pytest.raises(ValueError, match="async_scheduling: expected one of"):
+        DecodeConfig(async_scheduling="yes")
+    assert DecodeConfig(device="cuda").pipelined and not DecodeConfig().pipelined
