@@ -6,6 +6,8 @@
 The decode engine alone (no gRPC): `--batches` greedy requests with a 256-token context,
 prefilled by the real prefill engine, decoded by the real DecodeEngine (K draft tokens per
 step from the 1-layer layer-skip draft of the random-weight checkpoint). Per configuration:
+* the weight-bytes floor (the target's weights / the copy bandwidth, bench/gpu_e2e.py) against
+  the K = 0 step;
 * the wall time of one engine step: the median time between consecutive `step()` returns in a
   run of steps (each step reads its tokens, or with async scheduling the step before's: a
   steady period, no synchronize in between that would drain the pipeline), for each
@@ -35,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, markdown_table, write_results
-from bench.gpu_e2e import paged, random_model, step_rows, sync
+from bench.gpu_e2e import copy_bandwidth, paged, random_model, step_rows, sync, weight_bytes
 from decode_node.engine import DecodeConfig, DecodeEngine
 from engine.paged_lm import bytes_per_token, paged_pair
 from models.llama import layer_skip_draft
@@ -129,6 +131,7 @@ def main() -> None:
     pair = paged_pair(raw, tokens * (bytes_per_token(raw.target) + bytes_per_token(raw.draft)))
     forward_lm = paged(target, tokens)
     env = environment()
+    floor = weight_bytes(target) / copy_bandwidth(device)  # the target's weights read once (gpu_e2e's floor)
     rows, table = [], []
     for batch in batches:
         forward = step_rows(forward_lm, batch, args.context, 1, device, args.steps)
@@ -141,6 +144,7 @@ def main() -> None:
                 "k": k,
                 "async_scheduling": scheduling,
                 "step_ms": step * 1e3,
+                "floor_ms": floor * 1e3,
                 "forward_ms": forward * 1e3,
                 "outside_forward_ms": None if outside is None else outside * 1e3,
                 "kernel_ms": None if kernels is None else kernels[0],
@@ -155,6 +159,7 @@ def main() -> None:
                     k,
                     scheduling,
                     f"{step * 1e3:.2f}",
+                    f"{floor / step:.0%}" if k == 0 else "",
                     f"{forward * 1e3:.2f}",
                     "" if outside is None else f"{outside * 1e3:.2f} ({outside / step:.0%})",
                     "" if kernels is None else f"{kernels[0]:.2f} / {kernels[1]:.0f}",
@@ -168,6 +173,7 @@ def main() -> None:
         "K",
         "async scheduling",
         "step ms",
+        "floor / step (K=0)",
         "forward ms",
         "outside the forward (K=0)",
         "kernel ms / count",
