@@ -141,3 +141,50 @@ def test_the_flag_is_checked():
     with pytest.raises(ValueError, match="async_scheduling: expected one of"):
         DecodeConfig(async_scheduling="yes")
     assert DecodeConfig(device="cuda").pipelined and not DecodeConfig().pipelined
+
+
+@pytest.mark.parametrize("scheduling", ["off", "on"])
+def test_a_failing_step_fails_its_requests_frees_their_blocks_and_the_engine_serves_on(pair, scheduling):
+    """A step that raises (here the sampler, on its 4th launch, while a step is in flight) fails
+    every request in it and in the step before with an error event; no block stays taken, and
+    the next requests decode as if nothing had happened."""
+    from sampling import RejectionSampler, Verifier
+
+    real, launches = RejectionSampler("torch", "cpu"), [0]
+
+    def flaky(*args, **kwargs):
+        launches[0] += 1
+        if launches[0] == 4:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    prefill = PrefillEngine(pair, PrefillConfig())
+    config = DecodeConfig(max_batch=8, max_speculative_tokens=4, async_scheduling=scheduling)
+    decode = DecodeEngine(pair, config, verifier=Verifier("torch", "cpu", sampler=flaky, check_values=False))
+    receiver = Receiver.from_contract(pair.contract(), 4)
+
+    def submit(requests):
+        handles = []
+        for prefilled in prefill.prefill_many([prefill.check(r) for r in requests]):
+            wire = pdspec_pb2.DecodeRequest.FromString(prefilled.decode_request.SerializeToString())
+            handles.append(decode.submit(validate_decode_request(wire, receiver)))
+        return handles
+
+    def finish(handles):
+        ends = {}
+        for _ in range(200):
+            decode.step()
+            for i, handle in enumerate(handles):
+                while not handle.events.empty():
+                    event = handle.events.get()
+                    if event.finished:
+                        ends[i] = event.error or event.finish_reason
+            if len(ends) == len(handles) and not decode.load:
+                return [ends[i] for i in range(len(handles))]
+        raise AssertionError(f"not finished: {ends}")
+
+    ends = finish(submit([request(6 + i, seed=i, max_new=30) for i in range(3)]))
+    assert all("decode step failed: injected" in end for end in ends), ends
+    assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
+    assert finish(submit([request(5, max_new=6), request(7, seed=2, max_new=6)])) == ["length", "length"]
+    assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
