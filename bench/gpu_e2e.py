@@ -810,6 +810,7 @@ def main() -> None:
         "--tokens", type=int, default=512, help="new tokens per request, node sections (a steady window needs many)"
     )
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--batches", default="1,8,32,64", help="step and nodes sections: batch sizes / streams")
     parser.add_argument(
         "--scheduling",
         default="on",
@@ -823,7 +824,7 @@ def main() -> None:
     args.only = set(args.only.split(","))
     args.scheduling = args.scheduling.split(",")
     args.dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
-    args.batches = (1, 2) if args.smoke else (1, 8, 32, 64)
+    args.batches = (1, 2) if args.smoke else tuple(int(b) for b in args.batches.split(","))
     if not args.gil_profile <= set(args.batches):
         parser.error(f"--gil-profile: expected batch sizes among {list(args.batches)}, got {sorted(args.gil_profile)}")
     if args.smoke:

@@ -504,8 +504,8 @@ class DecodeEngine:
             self._read(inflight)
 
     def _read(self, step: _InFlight) -> None:
-        """Wait for an async-scheduled step's tokens and emit them. A row that left meanwhile
-        (finished in the step before, or cancelled) drops its token."""
+        """Wait for an async-scheduled step's tokens and emit them (into the outbox: `step`). A
+        row that left meanwhile (finished in the step before, or cancelled) drops its token."""
         self._deliver()  # the GPU has the next step queued: the streams take the GIL while the host waits
         tokens = step.copy.wait().tolist()
         for request, token, slot in zip(step.requests, tokens, step.slots, strict=True):
@@ -513,7 +513,6 @@ class DecodeEngine:
                 continue
             request.target_state.tokens[slot] = token
             self._advance(request, [token], [])
-        self._deliver()
 
     def _verify(
         self, requests: list[Request], proposals: list[_Proposal], logits: list[torch.Tensor]
