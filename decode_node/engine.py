@@ -153,7 +153,7 @@ class _InFlight:
     requests: list[Request]
     tokens: torch.Tensor  # [B] int64 on the device: each row's sampled token, the next step's input
     copy: HostCopy  # the same tokens on their way to the host
-    slots: list[int]  # where each row's token, unread, sits in its target state's tokens
+    slots: list[int]  # where each row's fed token sits in its target state's tokens (UNREAD until read)
 
 
 UNREAD = -1  # a target state's token whose value is still on the device (async scheduling)
@@ -494,6 +494,7 @@ class DecodeEngine:
         sampled = result.output_token_ids[:, 0].to(torch.int64)  # [B]: K = 0 emits one token per row
         # its own stream: not behind a KV export's copies (a prefill node in the same process)
         self._inflight = _InFlight(requests, sampled, to_host_async(sampled, purpose="tokens"), slots)
+        self._deliver()  # queued: the streams run now, also when there is no step before to wait for
         if previous is not None:
             self._read(previous)
 
@@ -511,7 +512,7 @@ class DecodeEngine:
         for request, token, slot in zip(step.requests, tokens, step.slots, strict=True):
             if request.cancelled.is_set():
                 continue
-            request.target_state.tokens[slot] = token
+            request.target_state.tokens[slot] = request.history[-1]  # what the step fed: read by now
             self._advance(request, [token], [])
 
     def _verify(

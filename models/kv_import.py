@@ -11,7 +11,9 @@ On the CPU the scatter is numpy fancy assignment into a view of the storage (abo
 256-byte rows on the 2-core bench VM, where torch's `index_copy_` on uint8 rows does 0.4 GB/s).
 On a GPU each chunk makes one host -> device copy: into a reusable pinned buffer, one
 non-blocking copy to a device staging buffer, then the scatter as one kernel, all on one import
-stream per device (the engine's stream never waits on an upload). `wait()` blocks until they are
+stream per device (the engine's stream never waits on an upload). The import stream does wait,
+once, for what the compute stream has queued when the import begins: its slots may belong to a
+request that left while a step with it was still on the device. `wait()` blocks until they are
 done; the model calls it before the KV is used or its storage freed, which orders every copy
 before the engine's first use of the request.
 """
@@ -57,6 +59,9 @@ class KvWriter:
         self._slots = slots.numpy()  # the slot of a partial row, read on the host
         if self.gpu:
             self.stream = side_stream(self.device, "kv-import")
+            # The slots may have been freed a moment ago by a request whose work is still queued on
+            # the compute stream (a step in flight, a KV move): this import's writes follow it.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):  # the allocator ties what the import uses to its stream
                 self._index = slots.to(self.device)
             self._dest = [s.view(torch.uint8) for s in storages]  # [slots, kv_heads, row bytes]

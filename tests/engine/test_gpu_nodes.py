@@ -266,3 +266,24 @@ def test_pinned_exports_are_bounded_and_released():
     del copies
     gc.collect()
     assert transfer.to_host_async(x, limit).done is not None
+
+
+def test_an_import_into_freed_slots_follows_the_work_queued_on_them():
+    """Slots freed while the compute stream still has work queued on them (an async step in
+    flight, the KV move of a request that just left) may go to an import at once: the import's
+    writes, on its own stream, land after that work, not under it."""
+    from models.kv_import import KvWriter
+    from protos.contract import SEQ, KvTensorSpec
+
+    seq, heads, dim = 64, 2, 64
+    storage = torch.zeros(seq, heads, dim, device="cuda")  # [slots, Hkv, D]
+    big = torch.randn(4096, 4096, device="cuda") / 64
+    torch.cuda.synchronize()
+    for _ in range(20):  # tens of ms of queued work before the last write to the slots
+        big = torch.tanh(big @ big)
+    storage.fill_(1.0)
+    writer = KvWriter([KvTensorSpec(torch.float32, (heads, SEQ, dim))], seq, [storage], torch.arange(seq))
+    writer.write(0, 0, torch.full((heads, seq, dim), 2.0).numpy().tobytes())
+    writer.wait()
+    torch.cuda.synchronize()
+    assert bool((storage == 2.0).all())
