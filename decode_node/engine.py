@@ -129,6 +129,7 @@ class Request:
     first_step: bool = True
     stats: Stats = field(default_factory=Stats)
     shape: tuple[int, ...] = ()  # the trees this node drafts for it (engine/proposer.tree_shape)
+    plain: bool = False  # K = 0, nothing proposed, no logprobs: one token per step, nothing else read back
 
 
 @dataclass
@@ -422,6 +423,7 @@ class DecodeEngine:
         request.remaining = budget - 1  # the prefill node emitted the first token
         request.stats.accepted_per_position = [0] * data.num_speculative_tokens
         request.shape = self.shape(data)
+        request.plain = not data.num_speculative_tokens and not len(data.draft_token_ids) and not data.logprobs
         request.stats.accepted_per_rank = [0] * max((*request.shape, data.draft_candidates, 1))
         if self.metrics:
             self.metrics.queue_time.labels("decode").observe(time.monotonic() - request.arrived)
@@ -451,10 +453,7 @@ class DecodeEngine:
     def _pipelines(self, requests: list[Request]) -> bool:
         """Whether this step can be queued before the step in flight is read: every row emits
         exactly one token (no drafts) and needs nothing but its token back (no logprobs)."""
-        return self.pipelined and all(
-            not r.input.num_speculative_tokens and not len(r.input.draft_token_ids) and not r.input.logprobs
-            for r in requests
-        )
+        return self.pipelined and all(r.plain for r in requests)
 
     def _launch(self, requests: list[Request]) -> None:
         """Queue a K = 0 step for `requests` (async scheduling), then read the step before it.
@@ -476,13 +475,8 @@ class DecodeEngine:
         for request in requests:
             request.first_step = False
         states = [r.target_state for r in requests]
-        logits = self.pair.target.extend_tree(
-            states, [[UNREAD]] * len(requests), [[-1]] * len(requests), device_tokens=tokens
-        )
-        slots = []
-        for state in states:
-            self.pair.target.accept_tree(state, [0])
-            slots.append(len(state.tokens) - 1)
+        logits = self.pair.target.extend_batch(states, [[UNREAD]] * len(requests), device_tokens=tokens)  # no tree
+        slots = [len(state.tokens) - 1 for state in states]
         no_drafts = torch.empty(len(requests), 0, dtype=torch.int64)
         result = self.verifier.verify(
             no_drafts,

@@ -305,9 +305,14 @@ class PagedLlamaLM(ChunkedImport):
             return torch.empty(0, self.vocab_size, device=self.device)
         return self._run([state], [list(ids)])
 
-    def extend_batch(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """All rows in ONE forward (flattened ragged tokens); rows with no new ids are left out."""
-        return live_rows(lambda s, rows, _: self._run(s, rows), states, ids, None, self._empty())
+    def extend_batch(
+        self, states: Sequence[State], ids: Sequence[Sequence[int]], device_tokens: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """All rows in ONE forward (flattened ragged tokens); rows with no new ids are left out.
+        device_tokens: as in extend_tree (the decode engine's async steps)."""
+        return live_rows(
+            lambda s, rows, _: self._run(s, rows, device_tokens=device_tokens), states, ids, None, self._empty()
+        )
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, self.vocab_size, device=self.device)
@@ -329,7 +334,7 @@ class PagedLlamaLM(ChunkedImport):
         del state.tokens[length:]
 
     supports_trees = True
-    device_tokens = True  # extend_tree takes the tokens' values as a device tensor (drafting)
+    device_tokens = True  # extend_tree / extend_batch take the tokens' values as a device tensor
 
     def extend_tree(
         self,
