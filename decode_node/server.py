@@ -358,16 +358,10 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
                 outcome[0] = "INTERNAL"
                 context.abort(grpc.StatusCode.INTERNAL, f"request {rid!r}: {event.error}")
             now = time.monotonic()
-            if first and event.tokens:
-                self.metrics.time_to_first_token.labels("decode").observe(now - started)
-                first = False
-            elif event.tokens:
-                gap = (now - last) / len(event.tokens)
-                for _ in event.tokens:
-                    self.metrics.inter_token_latency.labels("decode").observe(gap)
-            last = now
-            self.metrics.generated_tokens.labels("decode").inc(len(event.tokens))
-            sent = now
+            ttft = first and bool(event.tokens)
+            self.metrics.streamed(len(event.tokens), now - (started if ttft else last), ttft)
+            first = first and not event.tokens
+            last = sent = now
             yield _response(rid, event)
             if event.finished:
                 return

@@ -278,16 +278,12 @@ class _Stream:
     def emit(self, response: pdspec_pb2.GenerateResponse) -> pdspec_pb2.GenerateResponse:
         now = time.monotonic()
         n = len(response.token_ids)
-        if self.record.ttft is None:
+        first = self.record.ttft is None
+        if first:
             self.record.ttft = now - self.last
-            self.metrics.time_to_first_token.labels("prefill").observe(self.record.ttft)
-        elif n:
-            gap = (now - self.last) / n
-            for _ in range(n):
-                self.metrics.inter_token_latency.labels("prefill").observe(gap)
+        self.metrics.streamed(n, now - self.last, first)
         self.last = now
         self.record.generated += n
-        self.metrics.generated_tokens.labels("prefill").inc(n)
         return response
 
     def finish(
