@@ -499,8 +499,9 @@ class DecodeEngine:
             self._read(inflight)
 
     def _read(self, step: _InFlight) -> None:
-        """Wait for an async-scheduled step's tokens and emit them (into the outbox: `step`). A
-        row that left meanwhile (finished in the step before, or cancelled) drops its token."""
+        """Wait for an async-scheduled step's tokens and emit them (to the outbox, which goes to the
+        streams before the engine's next wait). A row that left meanwhile (finished in the step
+        before, or cancelled) drops its token."""
         self._deliver()  # the GPU has the next step queued: the streams take the GIL while the host waits
         tokens = step.copy.wait().tolist()
         for request, token, slot in zip(step.requests, tokens, step.slots, strict=True):
