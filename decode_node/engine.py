@@ -488,9 +488,10 @@ class DecodeEngine:
         sampled = result.output_token_ids[:, 0].to(torch.int64)  # [B]: K = 0 emits one token per row
         # its own stream: not behind a KV export's copies (a prefill node in the same process)
         self._inflight = _InFlight(requests, sampled, to_host_async(sampled, purpose="tokens"), slots)
-        self._deliver()  # queued: the streams run now, also when there is no step before to wait for
-        if previous is not None:
-            self._read(previous)
+        if previous is None:
+            self._deliver()  # queued, and no step before to wait for: the streams run now
+        else:
+            self._read(previous)  # which delivers before it waits
 
     def _drain(self) -> None:
         """Read the step in flight, if any."""
