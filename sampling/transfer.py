@@ -12,17 +12,22 @@ bytes are read.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+# Asked once: torch.cuda.is_available() reads the environment and NVML on every call (~7 us,
+# about two dozen calls in a speculating step's small copies), and its answer cannot change.
+_gpu_present = functools.cache(torch.cuda.is_available)
+
 
 def pinned(tensor: torch.Tensor) -> torch.Tensor:
     """A host tensor in pinned memory when a GPU is present (a device tensor, or any tensor
     where no GPU is, as it is)."""
-    if tensor.device.type != "cpu" or not torch.cuda.is_available() or tensor.is_pinned():
+    if tensor.device.type != "cpu" or not _gpu_present() or tensor.is_pinned():
         return tensor
     return tensor.pin_memory()
 
