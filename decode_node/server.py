@@ -486,6 +486,7 @@ def run_server(
         config.models.kv_budget(),
         eager=config.models.enforce_eager,
         attention=config.models.attention_backend,
+        capture=config.models.graph_capture(max_batch=config.engine.max_batch, decode=True),
     )
     contract = pair.contract()
     trees = pair.target.supports_trees and pair.draft.supports_trees and config.engine.max_draft_candidates > 1

@@ -11,8 +11,12 @@ when it begins): no per-request cache object.
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import logging
 import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +29,7 @@ from models.pair import ModelPair
 from sampling.transfer import HostCopy, pinned, to_device, to_host_async
 from sampling.tree import MAX_TREE_NODES
 
+log = logging.getLogger(__name__)
 BLOCK_SIZE = 16  # tokens per block: vLLM's default; small enough that waste per request is tiny
 # Forwards where every row brings the same small number of tokens (a decode step: 1; a
 # verify pass: K+1, or a tree's nodes + 1; a draft expanding trees: its frontier) replay a
@@ -33,6 +38,43 @@ BLOCK_SIZE = 16  # tokens per block: vLLM's default; small enough that waste per
 MAX_GRAPH_ROWS = 256
 MAX_GRAPH_QUERIES = MAX_TREE_NODES + 1
 MIN_GRAPH_WIDTH = 256
+
+
+@dataclass(frozen=True)
+class GraphCapture:
+    """The CUDA graphs a node captures at start-up, once its KV pools are allocated: every row
+    bucket up to `batch` x every key-width bucket up to `context` tokens x each query count its
+    steps run on the target (`target_queries`: 1 for a decode step, K+1 for a verify pass) and
+    on the draft (`draft_queries`). The first step of those shapes then replays instead of
+    capturing; any other shape is captured on first use. batch 0: none at start-up."""
+
+    batch: int = 32
+    context: int = 2048
+    target_queries: tuple[int, ...] = ()
+    draft_queries: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.batch <= MAX_GRAPH_ROWS:
+            raise ValueError(f"graph_capture_batch: expected 0..{MAX_GRAPH_ROWS}, got {self.batch}")
+        if self.context < 1:
+            raise ValueError(f"graph_capture_context: expected >= 1 token, got {self.context}")
+        for q in (*self.target_queries, *self.draft_queries):
+            if not 1 <= q <= MAX_GRAPH_QUERIES:
+                raise ValueError(f"graph queries per row: expected 1..{MAX_GRAPH_QUERIES}, got {q}")
+
+
+def capture_keys(batch: int, context: int, queries: Sequence[int], capacity: int) -> list[tuple[int, int, int]]:
+    """The graph keys (row bucket, queries per row, key-width bucket) that a start-up capture of
+    `batch` rows, `context` tokens and these query counts takes, on a pool of `capacity` tokens
+    (a width the pool cannot fill is left out)."""
+    if batch == 0:
+        return []
+    rows = [1 << i for i in range(bucket(batch).bit_length())]  # 1, 2, 4, ..., bucket(batch)
+    top = bucket(min(context, capacity), MIN_GRAPH_WIDTH)
+    widths = [MIN_GRAPH_WIDTH << i for i in range((top // MIN_GRAPH_WIDTH).bit_length())]
+    return list(itertools.product(rows, sorted(set(queries)), widths))
+
+
 _CAPTURE_LOCK = threading.Lock()
 
 
@@ -272,6 +314,17 @@ class PagedLlamaLM(ChunkedImport):
                 graph.logits = forward()
         return graph
 
+    def capture_graphs(self, batch: int, context: int, queries: Sequence[int]) -> int:
+        """Capture now every graph of `capture_keys` not captured yet (nothing without graphs);
+        how many were captured."""
+        if not self.graphs:
+            return 0
+        keys = [k for k in capture_keys(batch, context, queries, self.capacity_tokens) if k not in self._graphs]
+        with on_device(self.device), torch.inference_mode():
+            for key in keys:
+                self._graphs[key] = self._capture(*key)
+        return len(keys)
+
     def warm_up(self) -> None:
         """Compile the elementwise kernels (a one-token and a two-token forward: dynamic
         sizes specialise 1) before the node serves, so that no request waits for inductor
@@ -399,12 +452,19 @@ class PagedLlamaLM(ChunkedImport):
         state.kv.length = len(state.tokens)
 
 
-def paged_pair(pair: ModelPair, kv_cache_bytes: int, *, eager: bool = False, attention: str = "auto") -> ModelPair:
+def paged_pair(
+    pair: ModelPair,
+    kv_cache_bytes: int,
+    *,
+    eager: bool = False,
+    attention: str = "auto",
+    capture: GraphCapture | None = None,
+) -> ModelPair:
     """The pair with its Llama models on paged pools sharing `kv_cache_bytes`: target and
     draft pools hold the same number of tokens (every request has KV in both), so the bytes
     split by their per-token sizes (a layer-skip draft of N of L layers takes N/(N+L)).
-    On a GPU the elementwise kernels are compiled here (`warm_up`). Other backends
-    (n-gram, transformers) are returned as they are."""
+    On a GPU the elementwise kernels are compiled here (`warm_up`), then the graphs of
+    `capture` are captured. Other backends (n-gram, transformers) are returned as they are."""
     if not isinstance(pair.target, LlamaCausalLM):
         return pair
     models = [pair.target] + ([pair.draft] if isinstance(pair.draft, LlamaCausalLM) else [])
@@ -417,6 +477,12 @@ def paged_pair(pair: ModelPair, kv_cache_bytes: int, *, eager: bool = False, att
         draft = PagedLlamaLM.with_pool(draft, tokens * bytes_per_token(draft), eager=eager, attention=attention)
         draft.warm_up()
     target.warm_up()
+    if capture is not None and target.graphs:
+        started = time.monotonic()
+        captured = target.capture_graphs(capture.batch, capture.context, capture.target_queries)
+        if isinstance(draft, PagedLlamaLM):
+            captured += draft.capture_graphs(capture.batch, capture.context, capture.draft_queries)
+        log.info("captured %d CUDA graphs in %.1f s (%s)", captured, time.monotonic() - started, capture)
     return ModelPair(target, draft, pair.d2t, pair.tokenizer)
 
 

@@ -83,6 +83,25 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
         "blocks (auto: triton where Triton runs, unless --enforce-eager)",
     )
     parser.add_flag(
+        "--graph-capture-batch",
+        default=32,
+        type=int,
+        help="on a GPU: CUDA graphs of batches up to this many rows are captured at start-up, the others on "
+        "first use (0: every graph on first use)",
+    )
+    parser.add_flag(
+        "--graph-capture-context",
+        default=2048,
+        type=int,
+        help="the start-up capture covers rows of up to this many tokens of context",
+    )
+    parser.add_flag(
+        "--graph-capture-k",
+        default=(4,),
+        type=_int_list,
+        help="comma-separated K whose verify passes (K+1 tokens per row) the start-up capture covers",
+    )
+    parser.add_flag(
         "--draft-sampling",
         default="point-mass",
         choices=[law.value for law in DraftLaw],
@@ -109,6 +128,13 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
     return parser
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def request_limits(args: argparse.Namespace):
     from protos.validation import RequestLimits
 
@@ -122,16 +148,7 @@ def node_options(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
 
     try:
         tls = ServerTls.from_args(args.tls_cert, args.tls_key, args.tls_ca)
-    except ValueError as err:
-        if parser is None:
-            raise
-        parser.error(str(err))
-
-    return {
-        "host": args.host,
-        "port": args.port,
-        "metrics_port": None if args.metrics_port < 0 else args.metrics_port,
-        "models": ModelSpec(
+        models = ModelSpec(
             corpus=args.corpus,
             target_model=args.target_model or None,  # "" (an empty env variable) = the built-in pair
             draft_model=args.draft_model or None,
@@ -142,7 +159,20 @@ def node_options(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
             gpu_memory_utilization=args.gpu_memory_utilization,
             enforce_eager=args.enforce_eager,
             attention_backend=args.attention_backend,
-        ),
+            graph_capture_batch=args.graph_capture_batch,
+            graph_capture_context=args.graph_capture_context,
+            graph_capture_k=args.graph_capture_k,
+        )
+    except ValueError as err:
+        if parser is None:
+            raise
+        parser.error(str(err))
+
+    return {
+        "host": args.host,
+        "port": args.port,
+        "metrics_port": None if args.metrics_port < 0 else args.metrics_port,
+        "models": models,
         "max_message_bytes": args.max_message_bytes,
         "log_stats_s": args.log_stats_seconds,
         "grace_s": args.grace_seconds,

@@ -11,10 +11,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from models.pair import ModelPair
+
+if TYPE_CHECKING:
+    from engine.paged_lm import GraphCapture
 
 log = logging.getLogger(__name__)
 CPU_KV_BYTES = 512 << 20
@@ -32,15 +36,39 @@ class ModelSpec:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # no CUDA graphs, no compiled kernels
     attention_backend: str = "auto"  # engine/paged_lm.attention_backend
+    # The CUDA graphs captured at start-up (engine/paged_lm.GraphCapture): row buckets up to
+    # this many rows (0: none, every graph on first use), key widths up to this many tokens,
+    # and the verify passes of these K.
+    graph_capture_batch: int = 32
+    graph_capture_context: int = 2048
+    graph_capture_k: tuple[int, ...] = (4,)
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a value in (0, 1], got {self.gpu_memory_utilization}")
         torch.device(self.device)  # raises on a malformed device string
-        from engine.paged_lm import ATTENTION_BACKENDS
+        from engine.paged_lm import ATTENTION_BACKENDS, MAX_GRAPH_QUERIES
 
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        for k in self.graph_capture_k:
+            if not 0 <= k < MAX_GRAPH_QUERIES:
+                raise ValueError(f"graph_capture_k: expected values in 0..{MAX_GRAPH_QUERIES - 1}, got {k}")
+        self.graph_capture(max_batch=self.graph_capture_batch, decode=True)  # raises on a bad batch or context
+
+    def graph_capture(self, *, max_batch: int, decode: bool) -> GraphCapture:
+        """What a node captures at start-up. The decode node: the target's decode steps (1 query
+        per row) and verify passes (K+1), and the draft's single-token depths when it drafts;
+        the prefill node: the draft's depths only (its target runs prompts, eagerly)."""
+        from engine.paged_lm import GraphCapture
+
+        drafts = any(self.graph_capture_k)
+        return GraphCapture(
+            batch=min(self.graph_capture_batch, max_batch),
+            context=self.graph_capture_context,
+            target_queries=(1, *(k + 1 for k in self.graph_capture_k if k)) if decode else (),
+            draft_queries=(1,) if drafts else (),
+        )
 
     def load(self) -> ModelPair:
         """The pair as loaded (the node's run_server puts it on its KV pools)."""

@@ -69,6 +69,55 @@ def test_captured_graphs_equal_eager(gpu_pair):
     assert len(graphed._graphs) == 6 and graphed.pool.used_blocks == 0
 
 
+def test_start_up_capture_takes_the_graphs_that_the_steps_replay(gpu_pair):
+    """paged_pair with a GraphCapture captures every key of capture_keys before any request;
+    decode steps (K = 0) and verify passes (K = 4) of batches within it then capture nothing
+    on the target, and their tokens are those of a pair that captures on first use."""
+    from decode_node.engine import DecodeEngine
+    from engine.paged_lm import GraphCapture, capture_keys, paged_pair
+    from prefill_node.engine import PrefillEngine
+    from protos.validation import Receiver, validate_decode_request
+
+    capture = GraphCapture(batch=4, context=512, target_queries=(1, 5), draft_queries=(1,))
+    captured, lazy = paged_pair(gpu_pair, 64 << 20, capture=capture), paged_pair(gpu_pair, 64 << 20)
+    capacity = captured.target.capacity_tokens()
+    assert sorted(captured.target._graphs) == capture_keys(4, 512, (1, 5), capacity)  # 3 x 2 x 2
+    assert sorted(captured.draft._graphs) == capture_keys(4, 512, (1,), capacity)
+    assert len(captured.target._graphs) == 12 and not lazy.target._graphs and not lazy.draft._graphs
+    before = set(captured.target._graphs)
+
+    def run(pair, k: int) -> list[list[int]]:
+        prefill = PrefillEngine(pair, PrefillConfig(device="cuda"))
+        decode = DecodeEngine(pair, DecodeConfig(device="cuda", max_batch=4, max_speculative_tokens=4))
+        receiver = Receiver.from_contract(pair.contract(), 4)
+        requests = [
+            pdspec_pb2.GenerateRequest(
+                prompt_token_ids=list(range(3, 12 + 5 * i)),
+                num_speculative_tokens=k,
+                sampling=pdspec_pb2.SamplingParams(do_sample=False, max_new_tokens=40),
+            )
+            for i in range(3)
+        ]
+        handles = []
+        for prefilled in prefill.prefill_many([prefill.check(r) for r in requests]):
+            wire = pdspec_pb2.DecodeRequest.FromString(prefilled.decode_request.SerializeToString())
+            handles.append(decode.submit(validate_decode_request(wire, receiver)))
+        while decode.load:
+            decode.step()
+        out = []
+        for handle in handles:
+            tokens = []
+            while not handle.events.empty():
+                tokens += handle.events.get().tokens
+            out.append(tokens)
+        assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
+        return out
+
+    for k in (0, 4):
+        assert run(captured, k) == run(lazy, k)
+    assert set(captured.target._graphs) == before  # every target step replayed a start-up graph
+
+
 def assert_same_logits(first, second, prompts, feeds) -> None:
     """Both engines prefill `prompts`, then extend every row by each feed in turn (a feed: one
     list of ids per row); the logits agree at every step and every block is released."""

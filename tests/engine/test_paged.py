@@ -138,6 +138,57 @@ def test_the_attention_backend_flag_and_its_choice():
         attention_backend("x", cpu, eager=False)
 
 
+def test_the_graph_capture_flags_and_what_each_node_captures():
+    """--graph-capture-{batch,context,k} reach the ModelSpec; the decode node captures the
+    target's decode steps and verify passes and the draft's depths, the prefill node the
+    draft's depths only; bad values are refused naming the field."""
+    from decode_node.__main__ import parse_args
+    from engine.paged_lm import GraphCapture
+    from pdspec.modelspec import ModelSpec
+
+    spec = parse_args(["--graph-capture-batch", "8", "--graph-capture-context", "1024", "--graph-capture-k", "0,2"])
+    models = spec.models
+    assert (models.graph_capture_batch, models.graph_capture_context, models.graph_capture_k) == (8, 1024, (0, 2))
+    assert models.graph_capture(max_batch=4, decode=True) == GraphCapture(4, 1024, (1, 3), (1,))
+    assert models.graph_capture(max_batch=64, decode=False) == GraphCapture(8, 1024, (), (1,))
+    assert parse_args([]).models.graph_capture(max_batch=32, decode=True) == GraphCapture(32, 2048, (1, 5), (1,))
+    assert ModelSpec(graph_capture_k=(0,)).graph_capture(max_batch=8, decode=True).draft_queries == ()  # no drafts
+    with pytest.raises(ValueError, match=r"graph_capture_k: expected values in 0\.\.64, got 65"):
+        ModelSpec(graph_capture_k=(4, 65))
+    with pytest.raises(ValueError, match=r"graph_capture_batch: expected 0\.\.256, got 300"):
+        ModelSpec(graph_capture_batch=300)
+    with pytest.raises(ValueError, match=r"graph_capture_batch: expected 0\.\.256, got -1"):
+        ModelSpec(graph_capture_batch=-1)
+    with pytest.raises(ValueError, match="graph_capture_context: expected >= 1 token, got 0"):
+        ModelSpec(graph_capture_context=0)
+    with pytest.raises(ValueError, match=r"graph queries per row: expected 1\.\.65, got 66"):
+        GraphCapture(target_queries=(66,))
+    for argv in (["--graph-capture-k", "4,x"], ["--graph-capture-batch", "-2"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+
+
+def test_capture_keys_cover_every_row_and_width_bucket_up_to_the_limits():
+    from engine.paged_lm import capture_keys
+
+    assert capture_keys(3, 100, (1,), 10_000) == [(1, 1, 256), (2, 1, 256), (4, 1, 256)]
+    keys = capture_keys(32, 2048, (5, 1, 5), 100_000)
+    assert len(keys) == 6 * 2 * 4 and keys[0] == (1, 1, 256) and keys[-1] == (32, 5, 2048)
+    assert {w for _, _, w in capture_keys(1, 5000, (1,), 600)} == {256, 512, 1024}  # a pool of 600 tokens
+    assert capture_keys(0, 2048, (1,), 10_000) == []
+
+
+def test_paged_pair_captures_nothing_where_there_are_no_graphs(tmp_path):
+    from engine.paged_lm import GraphCapture
+
+    path = make_family_checkpoint(tmp_path, "llama", seed=1)
+    make_tokenizer(path, [f"w{i}" for i in range(90)])
+    pair = load_pair(target_model=path, draft_layers=1)
+    budget = 100 * (bytes_per_token(pair.target) + bytes_per_token(pair.draft))
+    paged = paged_pair(pair, budget, capture=GraphCapture(4, 512, (1, 5), (1,)))  # the CPU: eager
+    assert not paged.target._graphs and paged.target.capture_graphs(4, 512, (1,)) == 0
+
+
 def test_graph_bucket_padding_changes_no_real_row(models):
     """The inputs a captured graph replays (rows padded to a bucket, keys to a width bucket,
     padding on the scratch block) give the real rows exactly the unpadded logits."""
