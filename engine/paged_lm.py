@@ -319,7 +319,7 @@ class PagedLlamaLM(ChunkedImport):
         how many were captured."""
         if not self.graphs:
             return 0
-        keys = [k for k in capture_keys(batch, context, queries, self.capacity_tokens) if k not in self._graphs]
+        keys = [k for k in capture_keys(batch, context, queries, self.capacity_tokens()) if k not in self._graphs]
         with on_device(self.device), torch.inference_mode():
             for key in keys:
                 self._graphs[key] = self._capture(*key)

@@ -179,7 +179,7 @@ def test_capture_keys_cover_every_row_and_width_bucket_up_to_the_limits():
 
 
 def test_paged_pair_captures_nothing_where_there_are_no_graphs(tmp_path):
-    from engine.paged_lm import GraphCapture
+    from engine.paged_lm import GraphCapture, capture_keys
 
     path = make_family_checkpoint(tmp_path, "llama", seed=1)
     make_tokenizer(path, [f"w{i}" for i in range(90)])
@@ -187,6 +187,12 @@ def test_paged_pair_captures_nothing_where_there_are_no_graphs(tmp_path):
     budget = 100 * (bytes_per_token(pair.target) + bytes_per_token(pair.draft))
     paged = paged_pair(pair, budget, capture=GraphCapture(4, 512, (1, 5), (1,)))  # the CPU: eager
     assert not paged.target._graphs and paged.target.capture_graphs(4, 512, (1,)) == 0
+    # Which keys a GPU would capture (its capture recorded: the CPU has no graphs), each once.
+    lm, recorded = paged.target, []
+    lm.graphs, lm._capture = True, lambda *key: recorded.append(key) or key
+    assert lm.capture_graphs(2, 300, (1, 5)) == 4 and recorded == capture_keys(2, 300, (1, 5), 80)
+    assert recorded == [(1, 1, 256), (1, 5, 256), (2, 1, 256), (2, 5, 256)]  # a pool of 80 tokens: one width
+    assert lm.capture_graphs(4, 300, (1,)) == 1 and recorded[4:] == [(4, 1, 256)]  # none twice
 
 
 def test_graph_bucket_padding_changes_no_real_row(models):
