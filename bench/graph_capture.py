@@ -17,7 +17,6 @@ Writes bench/results/graph_capture-*.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, markdown_table, write_results
-from bench.gpu_e2e import prefilled_rows, random_model, sync
+from bench.gpu_e2e import prefilled_rows, random_model, sync, timed
 from engine.paged_lm import GraphCapture, bytes_per_token, paged_pair
 from models.llama import layer_skip_draft
 from models.pair import ModelPair
@@ -43,13 +42,7 @@ def forwards(lm, batch: int, queries: int, context: int, device: str, repeat: in
         one()
         sync(device)
         first = time.perf_counter() - started
-        times = []
-        for _ in range(repeat):
-            started = time.perf_counter()
-            one()
-            sync(device)
-            times.append(time.perf_counter() - started)
-    return first, statistics.median(times)
+        return first, timed(one, device, repeat)
 
 
 def main() -> None:
