@@ -4,9 +4,9 @@
 
 The random-weight checkpoint with its 1-layer layer-skip draft on paged pools, as the decode
 node puts them (`paged_pair`). Measured:
-* the start-up capture of the decode node's default GraphCapture (rows up to 32, contexts up
-  to 2048 tokens, decode steps and K = 4 verify passes, the draft's depths): seconds, graphs,
-  and the GPU memory it adds (allocated and reserved by torch);
+* the start-up capture of the decode node's default GraphCapture (rows up to 32, key widths up
+  to 2048, decode steps and K = 4 verify passes, the draft's one- and two-token depths):
+  seconds, graphs, and the GPU memory it allocates beyond the KV pools;
 * per batch and queries per row (1: a decode step, 5: a K = 4 verify pass), the first forward
   of that shape on rows of 256 context tokens when its graph is captured on first use (what a
   request meets without the start-up capture), the same first forward on the pair that
@@ -27,10 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, markdown_table, write_results
 from bench.gpu_e2e import prefilled_rows, random_model, sync, timed
-from engine.paged_lm import GraphCapture, bytes_per_token, paged_pair
+from engine.paged_lm import bytes_per_token, paged_pair
 from models.llama import layer_skip_draft
 from models.pair import ModelPair
 from models.tokenizer import ByteTokenizer
+from pdspec.modelspec import ModelSpec
 from sampling import DraftToTargetMap
 
 
@@ -61,24 +62,22 @@ def main() -> None:
     target = random_model(args.shape, device, dtype)
     raw = ModelPair(target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer())
     kv_bytes = 16 * 4096 * (bytes_per_token(raw.target) + bytes_per_token(raw.draft))
-    capture = GraphCapture(batch=32, context=2048, target_queries=(1, 5), draft_queries=(1,))  # the decode default
+    capture = ModelSpec().graph_capture(max_k=8, decode=True, max_batch=32)  # the decode node's default
     lazy = paged_pair(raw, kv_bytes)
     gpu = torch.device(device).type == "cuda"
-    before = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) if gpu else None
+    before = torch.cuda.memory_allocated() if gpu else 0
     started = time.perf_counter()
     captured = paged_pair(raw, kv_bytes, capture=capture)
     sync(device)
     seconds = time.perf_counter() - started
-    after = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) if gpu else None
     pool_bytes = captured.target.pool.kv.nbytes + captured.draft.pool.kv.nbytes  # allocated with the pair
-    extra = [0.0, 0.0] if before is None else [(a - b - pool_bytes) / 2**20 for a, b in zip(after, before, strict=True)]
+    extra = (torch.cuda.memory_allocated() - before - pool_bytes) / 2**20 if gpu else 0.0
     graphs = len(captured.target._graphs) + len(captured.draft._graphs)
     startup = {
         "capture": repr(capture),
         "seconds": seconds,  # pools + warm-up + the capture
         "graphs": graphs,
-        "allocated_mib": extra[0],  # the graphs' static outputs and inputs
-        "reserved_mib": extra[1],  # the graph memory pool too
+        "allocated_mib": extra,  # the graphs' static inputs, outputs and what their pool keeps
     }
     print(startup, flush=True)
     rows, table = [], []
@@ -111,7 +110,7 @@ def main() -> None:
         "first forward, captured at start-up ms",
         "steady ms",
     ]
-    memory = f"{startup['allocated_mib']:.0f} MiB allocated / {startup['reserved_mib']:.0f} MiB reserved"
+    memory = f"{startup['allocated_mib']:.0f} MiB allocated"
     text = (
         f"start-up capture ({args.shape}): {graphs} graphs in {seconds:.1f} s (pools, warm-up and capture), "
         f"{memory} beyond the KV pools (GPU)\n\n" + markdown_table(header, table)

@@ -486,7 +486,9 @@ def run_server(
         config.models.kv_budget(),
         eager=config.models.enforce_eager,
         attention=config.models.attention_backend,
-        capture=config.models.graph_capture(max_batch=config.engine.max_batch, decode=True),
+        capture=config.models.graph_capture(
+            max_k=config.engine.max_speculative_tokens, decode=True, max_batch=config.engine.max_batch
+        ),
     )
     contract = pair.contract()
     trees = pair.target.supports_trees and pair.draft.supports_trees and config.engine.max_draft_candidates > 1

@@ -43,10 +43,11 @@ MIN_GRAPH_WIDTH = 256
 @dataclass(frozen=True)
 class GraphCapture:
     """The CUDA graphs a node captures at start-up, once its KV pools are allocated: every row
-    bucket up to `batch` x every key-width bucket up to `context` tokens x each query count its
-    steps run on the target (`target_queries`: 1 for a decode step, K+1 for a verify pass) and
-    on the draft (`draft_queries`). The first step of those shapes then replays instead of
-    capturing; any other shape is captured on first use. batch 0: none at start-up."""
+    bucket up to `batch` x every key-width bucket up to `context` keys (a row's context plus
+    the tokens it brings) x each query count its steps run on the target (`target_queries`: 1
+    for a decode step, K+1 for a verify pass) and on the draft (`draft_queries`). The first step
+    of those shapes then replays instead of capturing; any other shape is captured on first
+    use. batch 0: none at start-up."""
 
     batch: int = 32
     context: int = 2048
@@ -54,19 +55,19 @@ class GraphCapture:
     draft_queries: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not 0 <= self.batch <= MAX_GRAPH_ROWS:
-            raise ValueError(f"graph_capture_batch: expected 0..{MAX_GRAPH_ROWS}, got {self.batch}")
-        if self.context < 1:
-            raise ValueError(f"graph_capture_context: expected >= 1 token, got {self.context}")
+        if not isinstance(self.batch, int) or not 0 <= self.batch <= MAX_GRAPH_ROWS:
+            raise ValueError(f"graph_capture_batch: expected an integer in 0..{MAX_GRAPH_ROWS}, got {self.batch!r}")
+        if not isinstance(self.context, int) or self.context < 1:
+            raise ValueError(f"graph_capture_context: expected an integer >= 1 (keys), got {self.context!r}")
         for q in (*self.target_queries, *self.draft_queries):
-            if not 1 <= q <= MAX_GRAPH_QUERIES:
-                raise ValueError(f"graph queries per row: expected 1..{MAX_GRAPH_QUERIES}, got {q}")
+            if not isinstance(q, int) or not 1 <= q <= MAX_GRAPH_QUERIES:
+                raise ValueError(f"graph queries per row: expected integers in 1..{MAX_GRAPH_QUERIES}, got {q!r}")
 
 
 def capture_keys(batch: int, context: int, queries: Sequence[int], capacity: int) -> list[tuple[int, int, int]]:
     """The graph keys (row bucket, queries per row, key-width bucket) that a start-up capture of
-    `batch` rows, `context` tokens and these query counts takes, on a pool of `capacity` tokens
-    (a width the pool cannot fill is left out)."""
+    `batch` rows, `context` keys and these query counts takes, on a pool of `capacity` tokens
+    (widths stop at the bucket of the pool's capacity: no row reaches past it)."""
     if batch == 0:
         return []
     rows = [1 << i for i in range(bucket(batch).bit_length())]  # 1, 2, 4, ..., bucket(batch)

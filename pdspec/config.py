@@ -24,7 +24,11 @@ class EnvArgumentParser(argparse.ArgumentParser):
         env = self.env_name(flag)
         raw = os.environ.get(env)
         if raw is not None:
-            default = raw.lower() in ("1", "true", "yes", "on") if type is bool else type(raw)
+            try:
+                default = raw.lower() in ("1", "true", "yes", "on") if type is bool else type(raw)
+            except (ValueError, argparse.ArgumentTypeError) as err:
+                said = str(err) if repr(raw) in str(err) else f"{err}; got {raw!r}"
+                self.error(f"{env} (the default of {flag}): {said}")
         if type is bool:
             return self.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=f"{help} [env {env}]", **kwargs
@@ -93,7 +97,7 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
         "--graph-capture-context",
         default=2048,
         type=int,
-        help="the start-up capture covers rows of up to this many tokens of context",
+        help="the start-up capture covers key widths up to this many keys (a row's context plus the tokens it brings)",
     )
     parser.add_flag(
         "--graph-capture-k",

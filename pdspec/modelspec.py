@@ -37,8 +37,8 @@ class ModelSpec:
     enforce_eager: bool = False  # no CUDA graphs, no compiled kernels
     attention_backend: str = "auto"  # engine/paged_lm.attention_backend
     # The CUDA graphs captured at start-up (engine/paged_lm.GraphCapture): row buckets up to
-    # this many rows (0: none, every graph on first use), key widths up to this many tokens,
-    # and the verify passes of these K.
+    # this many rows (0: none, every graph on first use), key widths up to this many keys (a
+    # row's context plus the tokens it brings), and the verify passes of these K.
     graph_capture_batch: int = 32
     graph_capture_context: int = 2048
     graph_capture_k: tuple[int, ...] = (4,)
@@ -54,20 +54,24 @@ class ModelSpec:
         for k in self.graph_capture_k:
             if not 0 <= k < MAX_GRAPH_QUERIES:
                 raise ValueError(f"graph_capture_k: expected values in 0..{MAX_GRAPH_QUERIES - 1}, got {k}")
-        self.graph_capture(max_batch=self.graph_capture_batch, decode=True)  # raises on a bad batch or context
+        self.graph_capture(max_k=max(self.graph_capture_k, default=0), decode=True)  # a bad batch or context
 
-    def graph_capture(self, *, max_batch: int, decode: bool) -> GraphCapture:
-        """What a node captures at start-up. The decode node: the target's decode steps (1 query
-        per row) and verify passes (K+1), and the draft's single-token depths when it drafts;
-        the prefill node: the draft's depths only (its target runs prompts, eagerly)."""
+    def graph_capture(self, *, max_k: int, decode: bool, max_batch: int | None = None) -> GraphCapture:
+        """What a node whose requests draft at most `max_k` tokens captures at start-up (K of
+        --graph-capture-k above it are left out: no request runs them). The decode node: the
+        target's decode steps (1 token per row) and verify passes (K+1), and when it drafts the
+        draft's depths: one token, and two on the first depth after a step that accepted every
+        draft (the last draft + the bonus token); the prefill node: the draft's one-token depths
+        only (its target runs prompts, eagerly). Rows: at most `max_batch` (the engine's)."""
         from engine.paged_lm import GraphCapture
 
-        drafts = any(self.graph_capture_k)
+        ks = [k for k in self.graph_capture_k if 0 < k <= max_k]
+        draft_queries = ((1, 2) if decode else (1,)) if max_k > 0 else ()
         return GraphCapture(
-            batch=min(self.graph_capture_batch, max_batch),
+            batch=self.graph_capture_batch if max_batch is None else min(self.graph_capture_batch, max_batch),
             context=self.graph_capture_context,
-            target_queries=(1, *(k + 1 for k in self.graph_capture_k if k)) if decode else (),
-            draft_queries=(1,) if drafts else (),
+            target_queries=(1, *(k + 1 for k in ks)) if decode else (),
+            draft_queries=draft_queries,
         )
 
     def load(self) -> ModelPair:

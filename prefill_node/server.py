@@ -294,7 +294,7 @@ def run_server(
         config.models.kv_budget(),
         eager=config.models.enforce_eager,
         attention=config.models.attention_backend,
-        capture=config.models.graph_capture(max_batch=config.models.graph_capture_batch, decode=False),
+        capture=config.models.graph_capture(max_k=config.engine.max_speculative_tokens, decode=False),
     )
     engine = PrefillEngine(pair, config.engine)
     rows = max(config.engine.max_speculative_tokens, config.engine.max_tree_nodes if engine.trees else 0)

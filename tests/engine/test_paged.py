@@ -138,10 +138,11 @@ def test_the_attention_backend_flag_and_its_choice():
         attention_backend("x", cpu, eager=False)
 
 
-def test_the_graph_capture_flags_and_what_each_node_captures():
+def test_the_graph_capture_flags_and_what_each_node_captures(monkeypatch):
     """--graph-capture-{batch,context,k} reach the ModelSpec; the decode node captures the
-    target's decode steps and verify passes and the draft's depths, the prefill node the
-    draft's depths only; bad values are refused naming the field."""
+    target's decode steps and verify passes and the draft's depths (one token, two after a
+    step that accepted every draft), the prefill node the draft's one-token depths only; K the
+    node never runs are left out; bad values are refused naming the field."""
     from decode_node.__main__ import parse_args
     from engine.paged_lm import GraphCapture
     from pdspec.modelspec import ModelSpec
@@ -149,23 +150,31 @@ def test_the_graph_capture_flags_and_what_each_node_captures():
     spec = parse_args(["--graph-capture-batch", "8", "--graph-capture-context", "1024", "--graph-capture-k", "0,2"])
     models = spec.models
     assert (models.graph_capture_batch, models.graph_capture_context, models.graph_capture_k) == (8, 1024, (0, 2))
-    assert models.graph_capture(max_batch=4, decode=True) == GraphCapture(4, 1024, (1, 3), (1,))
-    assert models.graph_capture(max_batch=64, decode=False) == GraphCapture(8, 1024, (), (1,))
-    assert parse_args([]).models.graph_capture(max_batch=32, decode=True) == GraphCapture(32, 2048, (1, 5), (1,))
-    assert ModelSpec(graph_capture_k=(0,)).graph_capture(max_batch=8, decode=True).draft_queries == ()  # no drafts
+    assert models.graph_capture(max_k=8, decode=True, max_batch=4) == GraphCapture(4, 1024, (1, 3), (1, 2))
+    assert models.graph_capture(max_k=8, decode=False) == GraphCapture(8, 1024, (), (1,))
+    default = parse_args([]).models.graph_capture(max_k=8, decode=True, max_batch=32)
+    assert default == GraphCapture(32, 2048, (1, 5), (1, 2))
+    assert ModelSpec().graph_capture(max_k=2, decode=True).target_queries == (1,)  # K = 4 never runs there
+    assert ModelSpec(graph_capture_k=(0,)).graph_capture(max_k=8, decode=False).draft_queries == (1,)  # it drafts
+    assert ModelSpec().graph_capture(max_k=0, decode=True) == GraphCapture(32, 2048, (1,), ())  # no drafts
     with pytest.raises(ValueError, match=r"graph_capture_k: expected values in 0\.\.64, got 65"):
         ModelSpec(graph_capture_k=(4, 65))
-    with pytest.raises(ValueError, match=r"graph_capture_batch: expected 0\.\.256, got 300"):
+    with pytest.raises(ValueError, match=r"graph_capture_batch: expected an integer in 0\.\.256, got 300"):
         ModelSpec(graph_capture_batch=300)
-    with pytest.raises(ValueError, match=r"graph_capture_batch: expected 0\.\.256, got -1"):
+    with pytest.raises(ValueError, match=r"graph_capture_batch: expected an integer in 0\.\.256, got -1"):
         ModelSpec(graph_capture_batch=-1)
-    with pytest.raises(ValueError, match="graph_capture_context: expected >= 1 token, got 0"):
+    with pytest.raises(ValueError, match=r"graph_capture_context: expected an integer >= 1 \(keys\), got 0"):
         ModelSpec(graph_capture_context=0)
-    with pytest.raises(ValueError, match=r"graph queries per row: expected 1\.\.65, got 66"):
+    with pytest.raises(ValueError, match=r"graph_capture_context: expected an integer >= 1 \(keys\), got 2\.5"):
+        GraphCapture(context=2.5)
+    with pytest.raises(ValueError, match=r"graph queries per row: expected integers in 1\.\.65, got 66"):
         GraphCapture(target_queries=(66,))
     for argv in (["--graph-capture-k", "4,x"], ["--graph-capture-batch", "-2"]):
         with pytest.raises(SystemExit):
             parse_args(argv)
+    monkeypatch.setenv("PDSPEC_DECODE_GRAPH_CAPTURE_K", "4,x")  # a bad environment value: the parser's error
+    with pytest.raises(SystemExit):
+        parse_args([])
 
 
 def test_capture_keys_cover_every_row_and_width_bucket_up_to_the_limits():
