@@ -281,3 +281,36 @@ def test_chunked_import_at_any_byte_boundaries_equals_the_export(models):
     assert paged.pool.used_blocks == paged.pool.blocks_for(len(prompt))
     paged.release(half)
     assert paged.pool.used_blocks == 0
+
+
+def test_each_node_hands_its_start_up_capture_to_paged_pair(pair, monkeypatch):
+    """Both run_servers (real gRPC servers on loopback) pass paged_pair the capture of their
+    role: the decode node its engine's batch and K limits, the prefill node its draft's depths."""
+    import decode_node.server
+    import prefill_node.server
+    from decode_node.engine import DecodeConfig
+    from engine.paged_lm import GraphCapture
+    from pdspec.modelspec import ModelSpec
+    from prefill_node.engine import PrefillConfig
+    from tests.nodes.conftest import cluster
+
+    seen: dict[str, GraphCapture] = {}
+    for module in (decode_node.server, prefill_node.server):
+        real = module.paged_pair
+
+        def spy(*args, _real=real, _role=module.__name__, capture=None, **kwargs):
+            seen[_role] = capture
+            return _real(*args, capture=capture, **kwargs)
+
+        monkeypatch.setattr(module, "paged_pair", spy)
+    models = ModelSpec(graph_capture_batch=16, graph_capture_context=512, graph_capture_k=(2, 4))
+    with cluster(
+        pair,
+        DecodeConfig(max_batch=4, max_speculative_tokens=2),
+        PrefillConfig(max_speculative_tokens=2, num_speculative_tokens=2),
+        decode_node={"models": models},
+        models=models,
+    ) as (client, _, _):
+        assert len(client.generate("def ", max_new_tokens=4, seed=1, timeout=10).token_ids) == 4
+    assert seen["decode_node.server"] == GraphCapture(4, 512, (1, 3), (1, 2))  # K = 4 > the node's 2: left out
+    assert seen["prefill_node.server"] == GraphCapture(16, 512, (), (1,))
