@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decode_node.engine import ASYNC_SCHEDULING, DecodeConfig
+from decode_node.engine import ADAPTIVE_K, ASYNC_SCHEDULING, DecodeConfig
 from decode_node.server import DecodeNodeConfig, run_server
 from pdspec.config import node_options, node_parser, request_limits
 from pdspec.logs import setup_logging
@@ -28,6 +28,13 @@ def build_parser():
         "the GPU runs (auto: on a GPU)",
     )
     parser.add_flag(
+        "--adaptive-k",
+        default="auto",
+        choices=ADAPTIVE_K,
+        help="pick each request's K every step from its running acceptance and the step costs measured at "
+        "start-up (a request's K is then its cap; auto: on for prompt-lookup and hybrid)",
+    )
+    parser.add_flag(
         "--accept-shm-kv",
         default=False,
         type=bool,
@@ -39,7 +46,17 @@ def build_parser():
 def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
-    engine = DecodeConfig(
+    try:
+        engine = engine_config(args)
+    except ValueError as err:
+        parser.error(str(err))
+    return DecodeNodeConfig(
+        engine=engine, limits=request_limits(args), accept_shm_kv=args.accept_shm_kv, **node_options(args, parser)
+    )
+
+
+def engine_config(args) -> DecodeConfig:
+    return DecodeConfig(
         max_speculative_tokens=args.max_speculative_tokens,
         max_draft_candidates=args.max_draft_candidates,
         max_tree_nodes=args.max_tree_nodes,
@@ -50,9 +67,10 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
         sampler_backend=args.sampler_backend,
         device=args.device,
         async_scheduling=args.async_scheduling,
-    )
-    return DecodeNodeConfig(
-        engine=engine, limits=request_limits(args), accept_shm_kv=args.accept_shm_kv, **node_options(args, parser)
+        speculative_method=args.speculative_method,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+        adaptive_k=args.adaptive_k,
     )
 
 

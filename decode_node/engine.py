@@ -5,7 +5,8 @@ the prefill's proposal (a chain of K drafts or a candidate tree) and the KV stat
 streamed (DecodeStream, shared memory), the KV after it: such a request's target KV is
 reserved in arrival order, the servicer writes the bytes straight into it, and the request
 is admitted once they are all in. Every engine step, for all active requests at once: the
-draft proposes (a tree of the request's shape, engine/proposer.py; on a request's first
+proposer (engine/proposer.py: the draft model, prompt lookup or both) proposes up to the
+K each request's running acceptance pays for (engine/adaptive.py; on a request's first
 step the prefill's proposal is verified instead), ONE target forward scores [last,
 nodes...] of every row with tree attention, and ONE rejection-sampling launch verifies
 every row (chains of one K and one law take the chain kernel, anything mixed the tree
@@ -37,15 +38,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.adaptive import AdaptiveK, StepCosts
 from engine.device import on_device
-from engine.proposer import Drafted, check_tree_limits, draft_tokens, shape_nodes, tree_shape
+from engine.prompt_lookup import ContextIndex, check_lookup_range
+from engine.proposer import (
+    DRAFT,
+    LOOKUP,
+    NO_PROPOSAL,
+    PREFILL,
+    SPECULATIVE_METHODS,
+    Proposal,
+    Proposer,
+    check_tree_limits,
+)
 from models.base import State, import_tensors
 from models.kv_import import Buffer
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from pdspec.stopping import finish_reason
 from protos.validation import DecodeInput
-from sampling import RequestRng, SamplingTensors, Verifier
+from sampling import RequestRng, SamplingParams, Verifier
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
 from sampling.transfer import HostCopy, to_device, to_host_async
@@ -66,11 +78,30 @@ class DecodeConfig:
     sampler_backend: str = "auto"
     device: str = "cpu"
     async_scheduling: str = "auto"  # on | off | auto (on where the device is a GPU)
+    speculative_method: str = "draft"  # engine/proposer.SPECULATIVE_METHODS
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    adaptive_k: str = "auto"  # on | off | auto (on for prompt-lookup and hybrid)
+    step_costs: StepCosts | None = None  # adaptive K's cost table; None: measured at start-up (calibrate)
 
     def __post_init__(self) -> None:
         check_tree_limits(self.max_draft_candidates, self.max_tree_nodes)
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise ValueError(f"async_scheduling: expected one of {ASYNC_SCHEDULING}, got {self.async_scheduling!r}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method: expected one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}"
+            )
+        check_lookup_range(self.prompt_lookup_min, self.prompt_lookup_max)
+        if self.adaptive_k not in ADAPTIVE_K:
+            raise ValueError(f"adaptive_k: expected one of {ADAPTIVE_K}, got {self.adaptive_k!r}")
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether each step picks each request's K (else every step drafts the request's K)."""
+        if self.adaptive_k == "auto":
+            return self.speculative_method != DRAFT
+        return self.adaptive_k == "on"
 
     @property
     def pipelined(self) -> bool:
@@ -81,6 +112,7 @@ class DecodeConfig:
 
 
 ASYNC_SCHEDULING = ("auto", "on", "off")
+ADAPTIVE_K = ("auto", "on", "off")
 
 
 class QueueFull(Exception):
@@ -94,6 +126,9 @@ class Stats:
     accepted_tokens: int = 0  # accepted DRAFT tokens
     accepted_per_position: list[int] = field(default_factory=list)  # by depth
     accepted_per_rank: list[int] = field(default_factory=list)  # by rank among siblings
+    chosen_k: list[int] = field(default_factory=list)  # this node's steps by the K chosen for them
+    method: str = ""  # the speculative method
+    prompt_lookup_tokens: int = 0  # draft tokens prompt lookup proposed
 
 
 @dataclass(frozen=True)
@@ -128,23 +163,18 @@ class Request:
     remaining: int = 0  # tokens this node may still emit
     first_step: bool = True
     stats: Stats = field(default_factory=Stats)
-    shape: tuple[int, ...] = ()  # the trees this node drafts for it (engine/proposer.tree_shape)
+    lookup: ContextIndex | None = None  # history, indexed for prompt lookup
+    spec: AdaptiveK | None = None  # its running acceptance and choice of K (adaptive K)
     plain: bool = False  # K = 0, nothing proposed, no logprobs: one token per step, nothing else read back
 
-
-@dataclass
-class _Proposal:
-    draft_ids: list[int]  # [N] target ids, breadth-first
-    parents: list[int]  # [N] parent node, -1 = the last emitted token
-    probs: torch.Tensor | None  # [N, Vt] target space, None = point mass
+    # What the proposer reads (engine/proposer.Row).
+    @property
+    def params(self) -> SamplingParams:
+        return self.input.params
 
     @property
-    def is_chain(self) -> bool:
-        return all(p == n - 1 for n, p in enumerate(self.parents))
-
-    def rank(self, node: int) -> int:
-        """The node's place among its siblings (0 = drawn first)."""
-        return node - self.parents.index(self.parents[node])
+    def candidates(self) -> int:
+        return self.input.draft_candidates
 
 
 @dataclass
@@ -175,6 +205,15 @@ class DecodeEngine:
         # checks, which would each make the host wait for the step's forward.
         self.verifier = verifier or Verifier(config.sampler_backend, config.device, check_values=False)
         self.d2t = pair.d2t.to(config.device)
+        self.proposer = Proposer(
+            config.speculative_method,
+            pair.draft,
+            self.d2t,
+            config.draft_law,
+            self.max_draft_candidates > 1,
+            config.max_tree_nodes,
+        )
+        self.costs = config.step_costs or StepCosts((1.0,) * (config.max_speculative_tokens + 1))
         self._lock = threading.Condition()
         self._pending: list[Request] = []
         self._active: list[Request] = []
@@ -184,20 +223,12 @@ class DecodeEngine:
         self._thread: threading.Thread | None = None
 
     # -- requests -------------------------------------------------------------------
-    def shape(self, decode_input: DecodeInput) -> tuple[int, ...]:
-        """The tree shape of the request's own proposals (all ones: a chain of K)."""
-        if not self.pair.draft.supports_trees or not self.pair.target.supports_trees:
-            return (1,) * decode_input.num_speculative_tokens
-        return tree_shape(
-            decode_input.num_speculative_tokens, decode_input.draft_candidates, self.config.max_tree_nodes
-        )
-
     def kv_tokens(self, decode_input: DecodeInput) -> int:
         """KV positions a request may ever occupy: prompt + every token it may emit + the
         nodes of its largest proposal + 1 (reserved at admission: it never waits mid-stream)."""
         budget = decode_input.max_new_tokens or self.config.default_max_new_tokens
-        nodes = max(len(decode_input.draft_token_ids), shape_nodes(self.shape(decode_input)))
-        return len(decode_input.prompt_token_ids) + budget + nodes + 1
+        own = self.proposer.max_nodes(decode_input.num_speculative_tokens, decode_input.draft_candidates)
+        return len(decode_input.prompt_token_ids) + budget + max(len(decode_input.draft_token_ids), own) + 1
 
     def submit(self, decode_input: DecodeInput, *, streamed: bool = False) -> Request:
         """Queue a request (QueueFull when it can never fit or the queue is full). `streamed`: its
@@ -206,7 +237,7 @@ class DecodeEngine:
         and calls imported(), or cancel()."""
         request = Request(decode_input, streamed=streamed)
         needed = self.kv_tokens(decode_input)
-        for role, model in (("target", self.pair.target), ("draft", self.pair.draft)):
+        for role, model in self._kv_models():
             capacity = model.capacity_tokens()
             if capacity is not None and needed > capacity:
                 raise QueueFull(f"the request needs {needed} KV positions, the {role} KV cache holds {capacity}")
@@ -240,6 +271,11 @@ class DecodeEngine:
             request.imported = True
             self._lock.notify()
 
+    def _kv_models(self) -> list[tuple[str, object]]:
+        """The models that hold KV for a request (no draft KV where only prompt lookup drafts)."""
+        models = [("target", self.pair.target)]
+        return [*models, ("draft", self.pair.draft)] if self.proposer.uses_draft else models
+
     @property
     def max_draft_candidates(self) -> int:
         """Candidates per node this node verifies and drafts: 1 where a model cannot mask by tree."""
@@ -263,6 +299,55 @@ class DecodeEngine:
     @property
     def waiting(self) -> int:
         return len(self._pending)
+
+    def calibrate(self) -> StepCosts:
+        """Measure adaptive K's cost table on this node's models: a verify of k + 1 tokens (and
+        its rejection sampling) for k in 0..max K at batch 1 after a short context, and one
+        draft depth, each relative to k = 0. Start-up only (the engine thread is not running);
+        a no-op without adaptive K or with a table configured."""
+        config = self.config
+        if not config.adaptive or config.step_costs is not None:
+            return self.costs
+        target, draft = self.pair.target, self.pair.draft
+        max_k, context, runs = config.max_speculative_tokens, 32, 6 * (config.max_speculative_tokens + 2)
+        prompt = [i % target.vocab_size for i in range(context)]
+        params, rng = SamplingParams(), RequestRng(0, stream="calibrate")
+        states = []
+        with on_device(config.device):
+            try:
+                state = target.empty_state()
+                states.append((target, state))
+                target.reserve(state, context + runs + max_k + 1)
+                target.extend_last([state], [prompt])
+
+                def verify_step(k: int) -> None:
+                    logits = target.extend_tree([state], [[1] * (k + 1)], [list(range(-1, k))])
+                    result = self.verifier.verify(
+                        torch.ones(1, k, dtype=torch.int64),
+                        None,
+                        torch.stack(logits).to(self.verifier.device),
+                        [params],
+                        [rng],
+                    )
+                    result.host()
+                    target.accept_tree(state, [0])  # one token kept per run: the state grows by one
+
+                depth = None
+                if self.proposer.uses_draft:
+                    draft_state = draft.empty_state()
+                    states.append((draft, draft_state))
+                    draft.reserve(draft_state, context + runs)
+                    draft.extend_last([draft_state], [prompt])
+
+                    def depth() -> None:
+                        draft.extend_batch([draft_state], [[1]])[0].argmax(-1).item()
+
+                self.costs = StepCosts.measure(verify_step, depth, max_k)
+            finally:
+                for model, state in states:
+                    model.release(state)
+        log.info("adaptive K step costs: verify %s, draft depth %.2f", self.costs.verify, self.costs.depth)
+        return self.costs
 
     # -- the loop ---------------------------------------------------------------------
     def start(self) -> None:
@@ -393,7 +478,7 @@ class DecodeEngine:
         if request.target_state is not None or request.cancelled.is_set():
             return True  # reserved already, or admitted only to be retired at once
         needed = self.kv_tokens(request.input)
-        if not (self.pair.target.can_reserve(needed) and self.pair.draft.can_reserve(needed)):
+        if not all(model.can_reserve(needed) for _, model in self._kv_models()):
             return False
         request.target_state = self.pair.target.begin_import(request.input.prompt_token_ids, needed)
         request.reserved.set()
@@ -410,28 +495,37 @@ class DecodeEngine:
     def _admit(self, request: Request) -> None:
         data = request.input
         pair = self.pair
+        config = self.config
         request.history = [*data.prompt_token_ids, data.first_token_id]
         if request.cancelled.is_set():
             return  # never starts: _retire frees what _claim reserved
         needed = self.kv_tokens(data)
         if not request.streamed:  # the KV came in the message: into the blocks _claim reserved
             import_tensors(pair.target, request.target_state, data.kv_cache)
-        request.draft_state = pair.draft.prefill(data.prompt_token_ids)[1]
-        pair.draft.reserve(request.draft_state, needed)
+        k = data.num_speculative_tokens
+        if self.proposer.uses_draft:
+            request.draft_state = pair.draft.prefill(data.prompt_token_ids)[1]
+            pair.draft.reserve(request.draft_state, needed)
+        if self.proposer.method != DRAFT and k:
+            request.lookup = ContextIndex(request.history, config.prompt_lookup_min, config.prompt_lookup_max)
+        if config.adaptive and k:
+            request.spec = AdaptiveK(k)
         request.rng = RequestRng(data.params.seed, stream="decode")
-        budget = data.max_new_tokens or self.config.default_max_new_tokens
+        budget = data.max_new_tokens or config.default_max_new_tokens
         request.remaining = budget - 1  # the prefill node emitted the first token
-        request.stats.accepted_per_position = [0] * data.num_speculative_tokens
-        request.shape = self.shape(data)
-        request.plain = not data.num_speculative_tokens and not len(data.draft_token_ids) and not data.logprobs
-        request.stats.accepted_per_rank = [0] * max((*request.shape, data.draft_candidates, 1))
+        request.plain = not k and not len(data.draft_token_ids) and not data.logprobs
+        stats = request.stats
+        stats.accepted_per_position = [0] * k
+        stats.accepted_per_rank = [0] * max(data.draft_candidates, 1)
+        stats.chosen_k = [0] * (k + 1)
+        stats.method = config.speculative_method
         if self.metrics:
             self.metrics.queue_time.labels("decode").observe(time.monotonic() - request.arrived)
             self.metrics.prompt_tokens.labels("decode").inc(len(data.prompt_token_ids))
 
     def _speculate(self, requests: list[Request]) -> None:
         proposals = self._proposals(requests)
-        feeds = [[r.history[-1], *p.draft_ids] for r, p in zip(requests, proposals, strict=True)]
+        feeds = [[r.history[-1], *p.token_ids] for r, p in zip(requests, proposals, strict=True)]
         parents = [[-1, *(q + 1 for q in p.parents)] for p in proposals]  # the last token is tree token 0
         logits = self.pair.target.extend_tree([r.target_state for r in requests], feeds, parents)
         results = self._verify(requests, proposals, logits)
@@ -439,9 +533,12 @@ class DecodeEngine:
             requests, proposals, logits, results, strict=True
         ):
             self._record(request, proposal, path, len(emitted), do_sample)
+            if request.spec is not None:
+                ours = proposal.source != PREFILL  # the prefill's proposal says nothing of this node's choices
+                request.spec.observe(proposal.source if ours else None, proposal.depth, len(emitted) - 1)
             self.pair.target.accept_tree(request.target_state, [0, *(n + 1 for n in path)])
             draft_state = request.draft_state
-            if draft_state.tree is not None:  # the inner nodes it consumed while drafting
+            if draft_state is not None and draft_state.tree is not None:  # the inner nodes it consumed drafting
                 self.pair.draft.accept_tree(draft_state, [n for n in path if n < len(draft_state.tree.parents)])
             top = request.input.logprobs
             logprobs = []
@@ -512,17 +609,17 @@ class DecodeEngine:
             self._advance(request, [token], [])
 
     def _verify(
-        self, requests: list[Request], proposals: list[_Proposal], logits: list[torch.Tensor]
+        self, requests: list[Request], proposals: list[Proposal], logits: list[torch.Tensor]
     ) -> list[tuple[list[int], list[int], bool]]:
         """One rejection-sampling launch for the batch: each row's (emitted tokens, accepted
         nodes, do_sample)."""
         params, rngs = [r.input.params for r in requests], [r.rng for r in requests]
         device = self.verifier.device
-        sizes = {len(p.draft_ids) for p in proposals}
+        sizes = {len(p.token_ids) for p in proposals}
         point_mass = [p.probs is None for p in proposals]
         if all(p.is_chain for p in proposals) and len(sizes) == 1 and len(set(point_mass)) == 1:
             k = sizes.pop()  # the common case: chains of one K and one law -> the chain kernel
-            draft_ids = torch.tensor([p.draft_ids for p in proposals], dtype=torch.int64).view(len(proposals), k)
+            draft_ids = torch.tensor([p.token_ids for p in proposals], dtype=torch.int64).view(len(proposals), k)
             probs = None if point_mass[0] else torch.stack([p.probs for p in proposals]).to(device)
             result = self.verifier.verify(draft_ids, probs, torch.stack(logits).to(device), params, rngs)
             self._deliver()  # the GPU has the step: the streams take the GIL while the host waits
@@ -538,8 +635,8 @@ class DecodeEngine:
             if not all(point_mass):  # one launch for both laws: a point mass is a one-hot row
                 probs = torch.zeros(batch, n, target_logits.shape[-1], device=device)  # [B, N, Vt]
             for b, (p, row) in enumerate(zip(proposals, logits, strict=True)):
-                size = len(p.draft_ids)
-                draft_ids[b, :size] = torch.tensor(p.draft_ids, dtype=torch.int64)
+                size = len(p.token_ids)
+                draft_ids[b, :size] = torch.tensor(p.token_ids, dtype=torch.int64)
                 parents[b, :size] = torch.tensor(p.parents, dtype=torch.int64)
                 target_logits[b, : size + 1] = row
                 if probs is not None and size:
@@ -548,16 +645,17 @@ class DecodeEngine:
                     else:
                         probs[b, :size] = p.probs
             result = self.verifier.verify_tree(
-                draft_ids, parents, [len(p.draft_ids) for p in proposals], probs, target_logits, params, rngs
+                draft_ids, parents, [len(p.token_ids) for p in proposals], probs, target_logits, params, rngs
             )
             self._deliver()
             emitted, paths = result.host()
         do_sample = [not p.is_greedy for p in params]  # the rows' modes, known on the host
         return list(zip(emitted, paths, do_sample, strict=True))
 
-    def _proposals(self, requests: list[Request]) -> list[_Proposal]:
-        """The prefill's proposal on a request's first step; else a tree from the local draft."""
-        out: list[_Proposal | None] = [None] * len(requests)
+    def _proposals(self, requests: list[Request]) -> list[Proposal]:
+        """The prefill's proposal on a request's first step; else the proposer's, of the K each
+        request's running acceptance pays for (adaptive K) or of its own K."""
+        out = [NO_PROPOSAL] * len(requests)
         local = []
         for i, request in enumerate(requests):
             if request.first_step:
@@ -565,42 +663,24 @@ class DecodeEngine:
                 data = request.input
                 probs = None if data.draft_probs is None else to_device(data.draft_probs, self.config.device)
                 ids = data.draft_token_ids.tolist()
-                out[i] = _Proposal(ids, data.draft_parents or list(range(-1, len(ids) - 1)), probs)
+                out[i] = Proposal(ids, data.draft_parents or list(range(-1, len(ids) - 1)), probs, PREFILL)
             elif request.input.num_speculative_tokens:
                 local.append(i)
-            else:
-                out[i] = _Proposal([], [], None)
-        if local:
-            for i, proposal in zip(local, self._draft([requests[i] for i in local]), strict=True):
-                out[i] = proposal
+        if not local:
+            return out
+        rows = [requests[i] for i in local]
+        plans = self.proposer.plan(rows, [r.input.num_speculative_tokens for r in rows])
+        depths = [
+            plan.limit if r.spec is None else r.spec.choose(plan.source, plan.limit, self.costs)
+            for r, plan in zip(rows, plans, strict=True)
+        ]
+        for request, depth in zip(rows, depths, strict=True):
+            request.stats.chosen_k[depth] += 1
+            if self.metrics:
+                self.metrics.chosen_k.labels(self.proposer.method).observe(depth)
+        for i, proposal in zip(local, self.proposer.propose(rows, plans, depths), strict=True):
+            out[i] = proposal
         return out
-
-    def _draft(self, requests: list[Request]) -> list[_Proposal]:
-        """A tree per request from the local draft (engine/proposer.py), in target space."""
-        sizes = [shape_nodes(r.shape) for r in requests]
-        device = self.config.device
-        uniforms = torch.stack(
-            [
-                torch.nn.functional.pad(r.rng.uniforms(n), (0, max(sizes) - n))
-                for r, n in zip(requests, sizes, strict=True)
-            ]
-        )
-        uniforms = to_device(uniforms, device)  # [R, N_max]: one per node of each request's full shape, zero padded
-        drafted = draft_tokens(
-            self.pair.draft,
-            self.d2t,
-            self.config.draft_law,
-            [r.draft_state for r in requests],
-            [r.history[len(r.draft_state.tokens) :] for r in requests],  # catch up, ends with `last`
-            [r.shape for r in requests],
-            SamplingTensors.from_params([r.input.params for r in requests], device),
-            uniforms,
-        )
-        return [self._target_space(d) for d in drafted]
-
-    def _target_space(self, drafted: Drafted) -> _Proposal:
-        probs = None if drafted.probs is None else self.d2t.map_probs(drafted.probs)
-        return _Proposal(drafted.target_ids, drafted.parents, probs)
 
     def _advance(self, request: Request, emitted: Sequence[int], logprobs: list[TokenLogprob]) -> None:
         data = request.input
@@ -628,17 +708,21 @@ class DecodeEngine:
         )
         request.cancelled.set()  # leaves the batch
 
-    def _record(self, request: Request, proposal: _Proposal, path: list[int], emitted: int, do_sample: bool) -> None:
-        nodes = len(proposal.draft_ids)
+    def _record(self, request: Request, proposal: Proposal, path: list[int], emitted: int, do_sample: bool) -> None:
+        nodes = len(proposal.token_ids)
         if nodes == 0:
             return  # K = 0 verifies nothing
         stats = request.stats
         stats.verify_steps += 1
         stats.draft_tokens += nodes
         stats.accepted_tokens += emitted - 1
+        if proposal.source == LOOKUP:
+            stats.prompt_lookup_tokens += nodes
         ranks = [proposal.rank(n) for n in path]
         for position, rank in enumerate(ranks):
             stats.accepted_per_position[position] += 1
             stats.accepted_per_rank[rank] += 1
         if self.metrics:
             self.metrics.record_step(do_sample, nodes, emitted - 1, emitted, ranks)
+            if proposal.source != PREFILL:
+                self.metrics.record_source(proposal.source, nodes, emitted - 1)

@@ -21,6 +21,7 @@ import grpc
 import pdspec
 from decode_node.engine import DecodeConfig, DecodeEngine, Event, QueueFull, Request
 from engine.paged_lm import paged_pair
+from engine.proposer import PROPOSAL_SOURCES
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics, SummaryLogger
 from pdspec.modelspec import ModelSpec, backends, model_dtype
@@ -410,6 +411,9 @@ def _response(request_id: str, event: Event) -> pdspec_pb2.GenerateResponse:
                 accepted_tokens=s.accepted_tokens,
                 accepted_per_position=s.accepted_per_position,
                 accepted_per_rank=s.accepted_per_rank,
+                chosen_k=s.chosen_k,
+                speculative_method=s.method,
+                prompt_lookup_tokens=s.prompt_lookup_tokens,
             )
         )
     for entry in event.logprobs:
@@ -455,6 +459,10 @@ def node_info(pair: ModelPair, config: DecodeNodeConfig, engine: DecodeEngine) -
         max_draft_candidates=engine.max_draft_candidates,
         max_tree_nodes=engine_config.max_tree_nodes,
         accepts_shm_kv=config.accept_shm_kv,
+        speculative_method=engine_config.speculative_method,
+        prompt_lookup_min=engine_config.prompt_lookup_min,
+        prompt_lookup_max=engine_config.prompt_lookup_max,
+        adaptive_k=engine_config.adaptive,
     )
 
 
@@ -494,7 +502,13 @@ def run_server(
     trees = pair.target.supports_trees and pair.draft.supports_trees and config.engine.max_draft_candidates > 1
     rows = max(config.engine.max_speculative_tokens, config.engine.max_tree_nodes if trees else 0)  # proposal rows
     limit = config.max_message_bytes or max_message_bytes(contract, rows, config.limits.max_prompt_tokens)
-    metrics = NodeMetrics("decode", config.engine.max_speculative_tokens, VALIDATED_FIELDS)
+    metrics = NodeMetrics(
+        "decode",
+        config.engine.max_speculative_tokens,
+        VALIDATED_FIELDS,
+        methods=[config.engine.speculative_method],
+        sources=PROPOSAL_SOURCES,
+    )
     shell = NodeShell(
         SERVICE,
         host=config.host,
@@ -507,6 +521,7 @@ def run_server(
         interceptors=[ServiceGuard(SERVICE, lambda code: metrics.finish_request(time.monotonic(), code))],
     )
     engine = engine_factory(pair, config.engine, metrics)
+    engine.calibrate()
     receiver = Receiver(
         contract,
         config.engine.max_speculative_tokens,

@@ -1,5 +1,16 @@
-"""Drafting: the one implementation both nodes use.
+"""Drafting: the one implementation both nodes use, behind one interface.
 
+A `Proposer` turns rows (a request's context, draft state, parameters and generator) and a
+depth per row into `Proposal`s in TARGET space: token ids, the tree's parents, and the law
+each node was drawn from (None = point mass). Three methods (`SPECULATIVE_METHODS`):
+* draft: the draft model (`draft_tokens` below), its ids mapped through d2t here, once;
+* prompt-lookup: the continuation of an earlier occurrence of the context's suffix
+  (engine/prompt_lookup.py), no weights, a point mass;
+* hybrid: prompt lookup where the context has a match, the draft model elsewhere.
+`plan` says, before any drafting, which source each row would use and how deep it could
+go, so the caller can pick each row's K (engine/adaptive.py) and then `propose`.
+
+The draft model's drafting:
 A request's proposal is a candidate TREE of a fixed shape (`tree_shape`: children per
 node at each depth; all ones is the usual chain of K drafts). Depth by depth, every row's
 frontier nodes get their children in ONE draft forward for the whole batch: depth 1 from
@@ -24,14 +35,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from engine.prompt_lookup import ContextIndex, chains_to_tree
 from models.base import CausalLM, State
-from sampling import DraftToTargetMap, SamplingTensors, propose_candidates
+from sampling import DraftToTargetMap, RequestRng, SamplingParams, SamplingTensors, propose_candidates
 from sampling.proposal import DraftLaw
 from sampling.transfer import to_device
 from sampling.tree import MAX_TREE_NODES
+
+SPECULATIVE_METHODS = ("draft", "prompt-lookup", "hybrid")
+DRAFT, LOOKUP = "draft", "prompt-lookup"  # a proposal's source
+PROPOSAL_SOURCES = (DRAFT, LOOKUP)
+PREFILL = "prefill"  # the source of the proposal a decode node receives: the prefill node's
 
 
 def tree_shape(depth: int, candidates: int, max_nodes: int = MAX_TREE_NODES) -> tuple[int, ...]:
@@ -211,3 +229,147 @@ def draft_span(drafted: Drafted, shape: Sequence[int]) -> int:
     for n, parent in enumerate(drafted.parents):
         depth[n] = 0 if parent < 0 else depth[parent] + 1
     return sum(1 for d in depth if d < len(shape) - 1)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One row's proposal in TARGET space, whatever made it: what the verifier reads."""
+
+    token_ids: list[int]  # [N] target ids, breadth-first, siblings in draw order
+    parents: list[int]  # [N] parent node, -1 = the last emitted token
+    probs: torch.Tensor | None  # [N, Vt] the law each node was drawn from; None = point mass
+    source: str = DRAFT  # DRAFT, LOOKUP or PREFILL
+    drafted: Drafted | None = None  # the draft model's draw in draft space (what DENSE / SPARSE ship)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == n - 1 for n, p in enumerate(self.parents))
+
+    @property
+    def depth(self) -> int:
+        levels: list[int] = []
+        for parent in self.parents:
+            levels.append(1 if parent < 0 else levels[parent] + 1)
+        return max(levels, default=0)
+
+    def rank(self, node: int) -> int:
+        """The node's place among its siblings (0 = drawn first)."""
+        return node - self.parents.index(self.parents[node])
+
+
+NO_PROPOSAL = Proposal([], [], None)
+
+
+class Row(Protocol):
+    """What a proposer reads of one request (both nodes' per-request objects provide it)."""
+
+    history: list[int]  # prompt + every emitted token; the last one is what the proposal follows
+    lookup: ContextIndex | None  # the same tokens, indexed (prompt lookup)
+    draft_state: State | None  # consumed a prefix of history (the draft model)
+    params: SamplingParams
+    rng: RequestRng
+    candidates: int  # per tree node (1: a chain)
+
+
+@dataclass(frozen=True)
+class Plan:
+    source: str  # what would propose for the row
+    limit: int  # the most drafts it could propose now (0: none, e.g. no prompt-lookup match)
+
+
+class Proposer:
+    """One speculative method over a model pair (`method` in SPECULATIVE_METHODS)."""
+
+    def __init__(
+        self,
+        method: str,
+        draft: CausalLM | None,
+        d2t: DraftToTargetMap | None,
+        law: DraftLaw,
+        trees: bool,
+        max_tree_nodes: int = MAX_TREE_NODES,
+    ) -> None:
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method: expected one of {SPECULATIVE_METHODS}, got {method!r}")
+        self.method = method
+        self.draft, self.d2t, self.law = draft, d2t, law
+        self.trees = trees  # both models mask by tree: rows may ask for candidates
+        self.max_tree_nodes = max_tree_nodes
+
+    @property
+    def uses_draft(self) -> bool:
+        """Whether any row may need the draft model (and so a draft state)."""
+        return self.method != LOOKUP
+
+    def plan(self, rows: Sequence[Row], caps: Sequence[int]) -> list[Plan]:
+        out = []
+        for row, cap in zip(rows, caps, strict=True):
+            if self.method == DRAFT:
+                out.append(Plan(DRAFT, cap))
+                continue
+            matched, _ = row.lookup.match(cap)
+            if matched or self.method == LOOKUP:
+                out.append(Plan(LOOKUP, len(matched)))
+            else:
+                out.append(Plan(DRAFT, cap))  # hybrid, no match: the draft model
+        return out
+
+    def propose(self, rows: Sequence[Row], plans: Sequence[Plan], depths: Sequence[int]) -> list[Proposal]:
+        """Row r's proposal of depth depths[r] (<= plans[r].limit) from plans[r].source; depth 0:
+        none. The draft model's rows are drafted together, in one forward per depth."""
+        out = [NO_PROPOSAL] * len(rows)
+        drafting = []
+        for r, (row, plan, depth) in enumerate(zip(rows, plans, depths, strict=True)):
+            if depth <= 0:
+                continue
+            if plan.source == LOOKUP:
+                out[r] = self._lookup(row, depth)
+            else:
+                drafting.append(r)
+        if drafting:
+            drafted = self._draft([rows[r] for r in drafting], [depths[r] for r in drafting])
+            for r, proposal in zip(drafting, drafted, strict=True):
+                out[r] = proposal
+        return out
+
+    def max_nodes(self, depth: int, candidates: int) -> int:
+        """The most nodes a row's proposal of this depth can have."""
+        nodes = shape_nodes(self.shape(depth, candidates)) if self.uses_draft else 0
+        if self.method != DRAFT:  # prompt lookup: one chain per candidate
+            nodes = max(nodes, min(depth * (candidates if self.trees else 1), self.max_tree_nodes))
+        return nodes
+
+    def shape(self, depth: int, candidates: int) -> tuple[int, ...]:
+        """The tree shape the draft model draws for a row (all ones: a chain of `depth`)."""
+        return tree_shape(depth, candidates if self.trees else 1, self.max_tree_nodes)
+
+    def _lookup(self, row: Row, depth: int) -> Proposal:
+        chains = row.lookup.candidates(depth, row.candidates if self.trees else 1)
+        ids, parents = chains_to_tree(chains)
+        return Proposal(ids[: self.max_tree_nodes], parents[: self.max_tree_nodes], None, LOOKUP)
+
+    def _draft(self, rows: Sequence[Row], depths: Sequence[int]) -> list[Proposal]:
+        shapes = [self.shape(depth, row.candidates) for row, depth in zip(rows, depths, strict=True)]
+        sizes = [shape_nodes(shape) for shape in shapes]
+        device = self.d2t.d2t.device
+        # One uniform per node of the full shape, for either law: a seeded stream never depends on the law.
+        uniforms = torch.stack(
+            [
+                torch.nn.functional.pad(row.rng.uniforms(n), (0, max(sizes) - n))
+                for row, n in zip(rows, sizes, strict=True)
+            ]
+        )
+        drafted = draft_tokens(
+            self.draft,
+            self.d2t,
+            self.law,
+            [row.draft_state for row in rows],
+            [row.history[len(row.draft_state.tokens) :] for row in rows],  # catch up, ends with the last token
+            shapes,
+            SamplingTensors.from_params([row.params for row in rows], device),
+            to_device(uniforms, device),  # [R, N_max], zero padded
+        )
+        return [
+            Proposal(d.target_ids, d.parents, None if d.probs is None else self.d2t.map_probs(d.probs), DRAFT, d)
+            for d in drafted
+        ]

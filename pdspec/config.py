@@ -40,6 +40,7 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
     """The flags both nodes share; each node adds its own."""
     import pdspec
     from engine.paged_lm import ATTENTION_BACKENDS
+    from engine.proposer import SPECULATIVE_METHODS
     from sampling.proposal import DraftLaw
 
     parser = EnvArgumentParser(role, prog=f"python -m {role}_node", description=description)
@@ -110,6 +111,20 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
         default="point-mass",
         choices=[law.value for law in DraftLaw],
         help="how the draft proposes: top-1 point mass, or sampling with the request's parameters",
+    )
+    parser.add_flag(
+        "--speculative-method",
+        default="draft",
+        choices=SPECULATIVE_METHODS,
+        help="what proposes drafts: the draft model; prompt-lookup, the continuation of an earlier occurrence of "
+        "the context's last n tokens (no weights, exact as a point mass); hybrid, prompt lookup where the context "
+        "has a match and the draft model elsewhere",
+    )
+    parser.add_flag(
+        "--prompt-lookup-min", default=2, type=int, help="prompt lookup: shortest suffix n-gram that may match"
+    )
+    parser.add_flag(
+        "--prompt-lookup-max", default=5, type=int, help="prompt lookup: longest suffix n-gram tried (first)"
     )
     parser.add_flag("--max-speculative-tokens", default=8, type=int, help="largest K a request may ask for")
     parser.add_flag(

@@ -35,7 +35,16 @@ FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 
 
 
 class NodeMetrics:
-    def __init__(self, node: str, max_speculative_tokens: int, fields: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        node: str,
+        max_speculative_tokens: int,
+        fields: Iterable[str] = (),
+        methods: Iterable[str] = (),
+        sources: Iterable[str] = (),
+    ) -> None:
+        """`fields`, `methods`, `sources`: the label values pre-initialised to 0 (validation
+        fields, speculative methods, proposal sources)."""
         self.node = node
         self.registry = CollectorRegistry()
         reg = self.registry
@@ -69,6 +78,23 @@ class NodeMetrics:
             "Emitted tokens per verify step",
             ["do_sample"],
             buckets=tuple(range(1, max_speculative_tokens + 2)),
+            registry=reg,
+        )
+        # By proposal source (draft = the draft model, prompt-lookup), beside the do_sample series.
+        self.source_draft_tokens = Counter(
+            "pdspec_spec_source_draft_tokens", "Draft tokens verified, by what proposed them", ["source"], registry=reg
+        )
+        self.source_accepted_tokens = Counter(
+            "pdspec_spec_source_accepted_tokens",
+            "Accepted draft tokens, by what proposed them",
+            ["source"],
+            registry=reg,
+        )
+        self.chosen_k = Histogram(
+            "pdspec_spec_chosen_k",
+            "Draft tokens chosen per request per decode step (adaptive K; 0 = none), by speculative method",
+            ["method"],
+            buckets=tuple(range(0, max_speculative_tokens + 1)),
             registry=reg,
         )
         self.requests = Counter(
@@ -123,6 +149,11 @@ class NodeMetrics:
         )
         self.node_info = Info("pdspec_node", "The node: role, version, models, device, backends", registry=reg)
         self._preinitialise(max_speculative_tokens, fields)
+        for source in sources:
+            self.source_draft_tokens.labels(source)
+            self.source_accepted_tokens.labels(source)
+        for method in methods:
+            self.chosen_k.labels(method)
         # Bound once: every streamed message records these (a labels() lookup costs ~2.5 µs, per
         # message per stream, on the host path of every decode step)
         self._ttft = self.time_to_first_token.labels(node)
@@ -182,6 +213,12 @@ class NodeMetrics:
         for rank in ranks:
             self.accepted_per_rank.labels(label, str(rank)).inc()
         self.accept_length.labels(label).observe(emitted)
+
+    def record_source(self, source: str, num_draft: int, accepted: int) -> None:
+        """The same row by what proposed it (engine/proposer.py: draft or prompt-lookup)."""
+        if num_draft:
+            self.source_draft_tokens.labels(source).inc(num_draft)
+            self.source_accepted_tokens.labels(source).inc(accepted)
 
     def streamed(self, tokens: int, elapsed: float, first: bool) -> None:
         """One message of `tokens` tokens streamed `elapsed` seconds after the request's previous

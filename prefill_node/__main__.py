@@ -110,7 +110,25 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
             parser.error(f"--api-key-file: cannot read {args.api_key_file}: {err}")
         if not api_key:
             parser.error(f"--api-key-file: expected a key in {args.api_key_file}, got an empty file")
-    engine = PrefillConfig(
+    try:
+        engine = engine_config(args)
+    except ValueError as err:
+        parser.error(str(err))
+    return PrefillNodeConfig(
+        decode_addr=args.decode_addr,
+        engine=engine,
+        max_streams=args.max_streams,
+        http_port=None if args.http_port < 0 else args.http_port,
+        served_model_name=args.served_model_name or served_name(args.target_model),
+        api_key=api_key or None,
+        decode_tls=decode_tls,
+        decode_stall_s=args.decode_stall_seconds,
+        **node_options(args, parser),
+    )
+
+
+def engine_config(args) -> PrefillConfig:
+    return PrefillConfig(
         draft_law=DraftLaw(args.draft_sampling),
         proposal_encoding=None if args.proposal_encoding == "auto" else ProposalEncoding(args.proposal_encoding),
         compact_encodings=args.compact_encodings,
@@ -127,17 +145,9 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
         default_max_new_tokens=args.default_max_new_tokens,
         limits=request_limits(args),
         device=args.device,
-    )
-    return PrefillNodeConfig(
-        decode_addr=args.decode_addr,
-        engine=engine,
-        max_streams=args.max_streams,
-        http_port=None if args.http_port < 0 else args.http_port,
-        served_model_name=args.served_model_name or served_name(args.target_model),
-        api_key=api_key or None,
-        decode_tls=decode_tls,
-        decode_stall_s=args.decode_stall_seconds,
-        **node_options(args, parser),
+        speculative_method=args.speculative_method,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
     )
 
 

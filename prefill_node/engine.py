@@ -2,9 +2,11 @@
 
 No gRPC inside. The first token is drawn from the target's filtered distribution with the
 request's own generator (stream "prefill"; the decode node draws from stream "decode" of
-the same seed, so the two never replay each other's uniforms). The draft then proposes
-K tokens from history + first token in the configured law, and records the exact
-distribution of each (DENSE / POINT_MASS / SPARSE on the wire).
+the same seed, so the two never replay each other's uniforms). The proposer
+(engine/proposer.py) then proposes up to K tokens after prompt + first token: the draft
+model in the configured law, with the exact distribution of each (DENSE / POINT_MASS /
+SPARSE on the wire), or prompt lookup, a point mass (POINT_MASS, as many tokens as the
+prompt's match gives: a `partial` proposal).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.device import on_device
-from engine.proposer import Drafted, check_tree_limits, draft_tokens, shape_nodes, tree_shape
+from engine.prompt_lookup import ContextIndex, check_lookup_range
+from engine.proposer import DRAFT, SPECULATIVE_METHODS, Proposal, Proposer, check_tree_limits
 from models.base import State
 from models.pair import ModelPair
 from pdspec.stopping import finish_reason
@@ -76,6 +79,9 @@ class PrefillConfig:
     max_prefill_tokens: int = 8192  # prompt tokens per prefill step, over all batched requests (chunking)
     limits: RequestLimits = field(default_factory=RequestLimits)
     device: str = "cpu"  # where sampling runs: the models' device
+    speculative_method: str = "draft"  # engine/proposer.SPECULATIVE_METHODS
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
 
     @property
     def encoding(self) -> ProposalEncoding:
@@ -84,6 +90,11 @@ class PrefillConfig:
 
     def __post_init__(self) -> None:
         check_tree_limits(self.max_draft_candidates, self.max_tree_nodes)
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method: expected one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}"
+            )
+        check_lookup_range(self.prompt_lookup_min, self.prompt_lookup_max)
         if not 1 <= self.draft_candidates <= self.max_draft_candidates:
             raise ValueError(f"draft_candidates: expected 1..{self.max_draft_candidates}, got {self.draft_candidates}")
         if self.proposal_encoding is ProposalEncoding.POINT_MASS and self.draft_law is not DraftLaw.POINT_MASS:
@@ -137,11 +148,21 @@ class PrefillEngine:
         self.max_speculative_tokens = config.max_speculative_tokens
         self.trees = pair.target.supports_trees and pair.draft.supports_trees  # the models mask by tree
         self.max_draft_candidates = config.max_draft_candidates if self.trees else 1  # lowered to the peer's
-        self.max_tree_nodes = config.max_tree_nodes
         self.d2t = pair.d2t.to(config.device)
+        self.proposer = Proposer(
+            config.speculative_method, pair.draft, self.d2t, config.draft_law, self.trees, config.max_tree_nodes
+        )
         self._lock = threading.Lock()  # one caller runs the models at a time (they need not be thread-safe)
         self._jobs_lock = threading.Lock()
         self._jobs: list[_Job] = []
+
+    @property
+    def max_tree_nodes(self) -> int:
+        return self.proposer.max_tree_nodes
+
+    @max_tree_nodes.setter
+    def max_tree_nodes(self, nodes: int) -> None:  # lowered to the decode peer's
+        self.proposer.max_tree_nodes = nodes
 
     def check(self, request: pdspec_pb2.GenerateRequest) -> Checked | list[Violation]:
         """GenerateRequest semantics and server limits, before any model work."""
@@ -321,7 +342,7 @@ class PrefillEngine:
         if not going:
             return
         jobs = [jobs[row] for row in going]
-        drafted = self._propose(jobs, rows.select(going))
+        drafted = self._propose(jobs)
         for job, proposal in zip(jobs, drafted, strict=True):
             if job.sink is not None:
                 self._ship_rest(job, proposal)
@@ -362,7 +383,7 @@ class PrefillEngine:
 
         return after_layer
 
-    def _ship_rest(self, job: _Job, proposal: Drafted) -> None:
+    def _ship_rest(self, job: _Job, proposal: Proposal) -> None:
         """What a layer-by-layer job has not shipped (every tensor, for a target without
         after_layer), then its proposal: the sink's last item."""
         if not job.sent_bytes:
@@ -371,10 +392,10 @@ class PrefillEngine:
                 job.sink.put((index, HostCopy(tensor)))
         tail = pdspec_pb2.DecodeRequest(first_token_id=job.first)
         wire = WireDecodeRequest(tail)
-        self._encode(proposal, tail, wire)
+        encoding = self._encode(proposal, job.checked.k, tail, wire)
         job.sink.put(wire)
         job.sink = None  # ended
-        result = Prefilled(job.first, job.first_logprob, "", wire, self.config.encoding, sent_bytes=job.sent_bytes)
+        result = Prefilled(job.first, job.first_logprob, "", wire, encoding, sent_bytes=job.sent_bytes)
         self._end(job, result=result)
 
     def _end(self, job: _Job, *, result: Prefilled | None = None, error: BaseException | None = None) -> None:
@@ -402,26 +423,33 @@ class PrefillEngine:
             draft_candidates=checked.candidates,
         )
 
-    def _encode(self, proposal: Drafted, header: pdspec_pb2.DecodeRequest, wire: WireDecodeRequest) -> None:
+    def _encode(
+        self, proposal: Proposal, k: int, header: pdspec_pb2.DecodeRequest, wire: WireDecodeRequest
+    ) -> ProposalEncoding:
+        """The proposal into header.proposal, in the node's encoding; prompt lookup's always as
+        POINT_MASS (target ids with no draft-space law). Returns the encoding used."""
+        drafted = proposal.drafted
+        encoding = self.config.encoding if drafted is not None else ProposalEncoding.POINT_MASS
         encode_proposal(
-            torch.tensor(proposal.target_ids, dtype=torch.int64),
-            torch.tensor(proposal.draft_ids, dtype=torch.int64),
-            proposal.probs,
+            torch.tensor(proposal.token_ids, dtype=torch.int64),
+            torch.tensor(proposal.token_ids if drafted is None else drafted.draft_ids, dtype=torch.int64),
+            None if drafted is None else drafted.probs,
             self.pair.draft.vocab_size,
-            self.config.encoding,
+            encoding,
             out=header.proposal,
             set_tensor=lambda name, tensor: wire.set_tensor(f"proposal.{name}", tensor),
             parents=None if proposal.is_chain else proposal.parents,
         )
+        header.proposal.partial = proposal.is_chain and len(proposal.token_ids) != k
+        return encoding
 
     def _decode_request(
-        self, job: _Job, proposal: Drafted, kv: list[torch.Tensor], segment: SharedKvSegment | None
+        self, job: _Job, proposal: Proposal, kv: list[torch.Tensor], segment: SharedKvSegment | None
     ) -> Prefilled:
         header = self._header(job.checked)
         header.first_token_id = job.first
         wire = WireDecodeRequest(header)
-        encoding = self.config.encoding
-        self._encode(proposal, header, wire)
+        encoding = self._encode(proposal, job.checked.k, header, wire)
         if segment is not None:
             header.kv_shm.CopyFrom(segment.handle)
         elif not self.streams(kv):
@@ -434,47 +462,29 @@ class PrefillEngine:
         size = kv if isinstance(kv, int) else sum(t.numel() * t.element_size() for t in kv)
         return self.config.kv_streaming or size > self.config.kv_stream_threshold_bytes
 
-    def shape(self, checked: Checked) -> tuple[int, ...]:
-        """The tree shape of a request's proposal (all ones: a chain of K)."""
-        return tree_shape(checked.k, checked.candidates, self.max_tree_nodes)
-
-    def _propose(self, jobs: list[_Job], rows: SamplingTensors) -> list[Drafted]:
-        """Each job's proposal tree (engine/proposer.py; a chain of K drafts for one candidate)."""
-        shapes = [self.shape(job.checked) for job in jobs]
-        sizes = [shape_nodes(shape) for shape in shapes]
-        # One uniform per node of the full shape, drawn for either law (its stream never depends on the law)
-        uniforms = torch.stack(
-            [
-                torch.nn.functional.pad(job.rng.uniforms(n), (0, max(sizes) - n))
-                for job, n in zip(jobs, sizes, strict=True)
-            ]
-        ).to(self.config.device)
-        out = [Drafted([], [], [], None) for _ in jobs]
-        drafting = [i for i, n in enumerate(sizes) if n]
-        if not drafting:
-            return out
-        draft = self.pair.draft
-        states = [draft.empty_state() for _ in drafting]
+    def _propose(self, jobs: list[_Job]) -> list[Proposal]:
+        """Each job's proposal after prompt + first token (engine/proposer.py): as deep as its K,
+        or as its prompt-lookup match; the draft model's rows get a draft state over the prompt
+        for the call."""
+        config, draft = self.config, self.pair.draft
+        for job in jobs:
+            job.history = [*job.checked.ids, job.first]
+            if config.speculative_method != DRAFT:
+                job.lookup = ContextIndex(job.history, config.prompt_lookup_min, config.prompt_lookup_max)
+        plans = self.proposer.plan(jobs, [job.checked.k for job in jobs])
+        drafting = [job for job, plan in zip(jobs, plans, strict=True) if plan.source == DRAFT and plan.limit]
         try:
-            for i, state in zip(drafting, states, strict=True):
-                draft.reserve(state, len(jobs[i].checked.ids) + 1 + sizes[i])
-            draft.extend_last(states, [jobs[i].checked.ids for i in drafting])
-            drafted = draft_tokens(
-                draft,
-                self.d2t,
-                self.config.draft_law,
-                states,
-                [[jobs[i].first] for i in drafting],
-                [shapes[i] for i in drafting],
-                rows.select(drafting),
-                uniforms[drafting],
-            )
+            for job in drafting:
+                job.draft_state = draft.empty_state()
+                nodes = self.proposer.max_nodes(job.checked.k, job.checked.candidates)
+                draft.reserve(job.draft_state, len(job.checked.ids) + 1 + nodes)
+            if drafting:
+                draft.extend_last([job.draft_state for job in drafting], [job.checked.ids for job in drafting])
+            return self.proposer.propose(jobs, plans, [plan.limit for plan in plans])
         finally:
-            for state in states:
-                draft.release(state)
-        for i, proposal in zip(drafting, drafted, strict=True):
-            out[i] = proposal
-        return out
+            for job in drafting:
+                draft.release(job.draft_state)
+                job.draft_state = None
 
 
 @dataclass(eq=False)
@@ -492,3 +502,15 @@ class _Job:
     error: BaseException | None = None
     sink: queue.Queue | None = None  # layer by layer: where its KV and then its proposal go (prefill(sink=))
     sent_bytes: int = 0
+    # What the proposer reads (engine/proposer.Row), set when the first token is drawn.
+    history: list[int] = field(default_factory=list)
+    lookup: ContextIndex | None = None
+    draft_state: State | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.checked.params
+
+    @property
+    def candidates(self) -> int:
+        return self.checked.candidates

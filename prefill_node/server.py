@@ -177,6 +177,10 @@ class DecodePeer:
         own = self.engine.config.max_draft_candidates if self.engine.trees else 1
         self.engine.max_draft_candidates = min(own, max(1, info.max_draft_candidates))  # 0: a peer before trees
         self.engine.max_tree_nodes = min(self.engine.config.max_tree_nodes, info.max_tree_nodes or MAX_TREE_NODES)
+        method = self.engine.config.speculative_method
+        if info.speculative_method and info.speculative_method != method:
+            # Exact too: the decode node verifies whatever it receives, then proposes its own way.
+            log.info("speculative method differs: prefill %s, decode %s", method, info.speculative_method)
         if info.draft_law and info.draft_law != self.engine.config.draft_law.value:
             # Still exact (every proposal carries its own law), but the two sides draft differently.
             log.warning("draft law differs: prefill %s, decode %s", self.engine.config.draft_law.value, info.draft_law)
@@ -282,6 +286,10 @@ def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.No
         backends=json.dumps(backends(engine.pair)),
         max_draft_candidates=config.engine.max_draft_candidates if engine.trees else 1,
         max_tree_nodes=config.engine.max_tree_nodes,
+        speculative_method=config.engine.speculative_method,
+        prompt_lookup_min=config.engine.prompt_lookup_min,
+        prompt_lookup_max=config.engine.prompt_lookup_max,
+        adaptive_k=False,  # the prefill node has no acceptance to adapt to: it proposes K (or the match)
     )
 
 

@@ -52,7 +52,7 @@ class SamplingParams(_message.Message):
     def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("encoding", "token_ids", "probs", "sparse_ids", "sparse_probs", "parents")
+    __slots__ = ("encoding", "token_ids", "probs", "sparse_ids", "sparse_probs", "parents", "partial")
     class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ENCODING_UNSPECIFIED: _ClassVar[Proposal.Encoding]
@@ -69,13 +69,15 @@ class Proposal(_message.Message):
     SPARSE_IDS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_PROBS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     encoding: Proposal.Encoding
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: TensorPB
     sparse_ids: TensorPB
     sparse_probs: TensorPB
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, encoding: _Optional[_Union[Proposal.Encoding, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[TensorPB, _Mapping]] = ..., sparse_ids: _Optional[_Union[TensorPB, _Mapping]] = ..., sparse_probs: _Optional[_Union[TensorPB, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    partial: bool
+    def __init__(self, encoding: _Optional[_Union[Proposal.Encoding, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[TensorPB, _Mapping]] = ..., sparse_ids: _Optional[_Union[TensorPB, _Mapping]] = ..., sparse_probs: _Optional[_Union[TensorPB, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ..., partial: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "num_speculative_tokens", "stop", "draft_candidates")
@@ -124,18 +126,24 @@ class TokenLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("verify_steps", "draft_tokens", "accepted_tokens", "accepted_per_position", "accepted_per_rank")
+    __slots__ = ("verify_steps", "draft_tokens", "accepted_tokens", "accepted_per_position", "accepted_per_rank", "chosen_k", "speculative_method", "prompt_lookup_tokens")
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_K_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     verify_steps: int
     draft_tokens: int
     accepted_tokens: int
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
     accepted_per_rank: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, verify_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_rank: _Optional[_Iterable[int]] = ...) -> None: ...
+    chosen_k: _containers.RepeatedScalarFieldContainer[int]
+    speculative_method: str
+    prompt_lookup_tokens: int
+    def __init__(self, verify_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_rank: _Optional[_Iterable[int]] = ..., chosen_k: _Optional[_Iterable[int]] = ..., speculative_method: _Optional[str] = ..., prompt_lookup_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "protocol_version", "contract_fingerprint", "prompt_token_ids", "first_token_id", "sampling", "num_speculative_tokens", "proposal", "kv_cache", "draft_candidates", "kv_shm")
@@ -204,7 +212,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("role", "protocol_version", "contract_fingerprint", "target_vocab_size", "draft_vocab_size", "draft_to_target", "max_speculative_tokens", "sampler_backend", "device", "target_model", "draft_model", "draft_law", "proposal_encoding", "version", "max_new_tokens_limit", "max_prompt_tokens", "dtype", "backends", "max_draft_candidates", "max_tree_nodes", "accepts_shm_kv")
+    __slots__ = ("role", "protocol_version", "contract_fingerprint", "target_vocab_size", "draft_vocab_size", "draft_to_target", "max_speculative_tokens", "sampler_backend", "device", "target_model", "draft_model", "draft_law", "proposal_encoding", "version", "max_new_tokens_limit", "max_prompt_tokens", "dtype", "backends", "max_draft_candidates", "max_tree_nodes", "accepts_shm_kv", "speculative_method", "prompt_lookup_min", "prompt_lookup_max", "adaptive_k")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +234,10 @@ class NodeInfo(_message.Message):
     MAX_DRAFT_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_SHM_KV_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
     role: str
     protocol_version: int
     contract_fingerprint: str
@@ -247,4 +259,8 @@ class NodeInfo(_message.Message):
     max_draft_candidates: int
     max_tree_nodes: int
     accepts_shm_kv: bool
-    def __init__(self, role: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., draft_to_target: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., sampler_backend: _Optional[str] = ..., device: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_law: _Optional[str] = ..., proposal_encoding: _Optional[str] = ..., version: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., backends: _Optional[str] = ..., max_draft_candidates: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., accepts_shm_kv: _Optional[bool] = ...) -> None: ...
+    speculative_method: str
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    adaptive_k: bool
+    def __init__(self, role: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., draft_to_target: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., sampler_backend: _Optional[str] = ..., device: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_law: _Optional[str] = ..., proposal_encoding: _Optional[str] = ..., version: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., backends: _Optional[str] = ..., max_draft_candidates: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., accepts_shm_kv: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., adaptive_k: _Optional[bool] = ...) -> None: ...

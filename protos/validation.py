@@ -188,8 +188,9 @@ def validate_decode_request(
         return found
     proposal = request.proposal
     nodes = len(proposal.token_ids)
-    if not proposal.parents and nodes != k and not proposal_follows:
-        found.append(Violation("proposal.token_ids", f"{k} ids (num_speculative_tokens)", f"{nodes} ids"))
+    if not proposal.parents and not proposal_follows and (nodes > k if proposal.partial else nodes != k):
+        expected = f"at most {k} ids (a partial proposal)" if proposal.partial else f"{k} ids (num_speculative_tokens)"
+        found.append(Violation("proposal.token_ids", expected, f"{nodes} ids"))
     if proposal.parents and not check_tree(proposal.parents, nodes, k, candidates, receiver.max_tree_nodes, found):
         return found  # the node count sizes the distributions below
     check_ids("proposal.token_ids", proposal.token_ids, vocab, found)

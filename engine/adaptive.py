@@ -1,0 +1,113 @@
+"""Adaptive K: how many tokens to draft for one request in one step.
+
+A verify of K drafts emits E(K) = 1 + sum_{i<K} prod_{j<=i} a_j tokens in expectation, where
+a_j is the chance that draft j is accepted given that the drafts before it were; it costs
+verify[K] + K * depth target steps (`StepCosts`: a verify of K+1 tokens per row, and one
+draft-model depth, each relative to a K = 0 step). Each step picks the K in 0..limit with the
+most expected tokens per unit of cost; K = 0 (1 token for 1 step) whenever drafting does not pay.
+
+The a_j are the request's own: counts of accepted / tested drafts at each position, with a
+prior of `PRIOR` worth `PRIOR_WEIGHT` observations, decayed by `DECAY` every step (K = 0 steps
+too), so a request whose drafts stopped paying probes again after a while, and one whose text
+turns repetitive finds out. The choice reads only the request's own history and a cost table
+fixed when the node starts, so a seeded request draws the same tokens whatever else runs
+beside it; and since K depends only on the past, never on the step's uniforms, the verifier's
+output law is unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+PRIOR = 0.5  # acceptance assumed before a request has shown any
+PRIOR_WEIGHT = 1.0  # observations the prior is worth
+DECAY = 0.9  # per step: the weight of what a request showed one step ago
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What a step costs, in K = 0 steps: verify[k] for k drafts per row (verify[0] = 1), and
+    `depth` per draft-model depth (prompt lookup drafts for free)."""
+
+    verify: tuple[float, ...]
+    depth: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.verify or any(c <= 0 for c in self.verify) or self.depth < 0:
+            raise ValueError(f"step costs: expected positive verify costs and depth >= 0, got {self}")
+
+    def of(self, k: int, drafted: bool) -> float:
+        verify = self.verify[min(k, len(self.verify) - 1)]
+        return verify + (k * self.depth if drafted else 0.0)
+
+    @classmethod
+    def measure(
+        cls, verify_step: Callable[[int], None], draft_depth: Callable[[], None] | None, max_k: int
+    ) -> StepCosts:
+        """Time `verify_step(k)` (one target pass of k+1 tokens and its verification) for k in
+        0..max_k and `draft_depth()` (one draft forward), best of a few runs each, relative to k = 0."""
+
+        def best(fn: Callable[[], None]) -> float:
+            fn()  # warm-up: first-use allocation, graph capture, kernel compilation
+            times = []
+            for _ in range(5):
+                started = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - started)
+            return min(times)
+
+        step = [best(lambda k=k: verify_step(k)) for k in range(max_k + 1)]
+        base = step[0]
+        depth = best(draft_depth) / base if draft_depth is not None else 0.0
+        # A verify never costs less than the step it replaces: timer noise would bias K upwards.
+        verify = [1.0] + [max(1.0, t / base) for t in step[1:]]
+        for k in range(2, len(verify)):
+            verify[k] = max(verify[k], verify[k - 1])
+        return cls(tuple(verify), depth)
+
+
+class AdaptiveK:
+    """One request's running acceptance, per proposal source and position, and its choice of K."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._counts: dict[str, tuple[list[float], list[float]]] = {}  # source -> (accepted, tested) per position
+
+    def _of(self, source: str) -> tuple[list[float], list[float]]:
+        if source not in self._counts:
+            self._counts[source] = ([0.0] * self.cap, [0.0] * self.cap)
+        return self._counts[source]
+
+    def rates(self, source: str) -> list[float]:
+        """a_j for j in 0..cap-1: the chance draft j is accepted given the ones before were."""
+        accepted, tested = self._of(source)
+        return [(a + PRIOR * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT) for a, t in zip(accepted, tested, strict=True)]
+
+    def choose(self, source: str, limit: int, costs: StepCosts) -> int:
+        """The K in 0..min(limit, cap) with the most expected tokens per unit of cost."""
+        limit = min(limit, self.cap)
+        best_k, best_rate = 0, 1.0  # K = 0: one token for one step
+        expected, reach = 1.0, 1.0
+        for k, a in enumerate(self.rates(source)[:limit], start=1):
+            reach *= a
+            expected += reach
+            rate = expected / costs.of(k, source == "draft")
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def observe(self, source: str | None, depth: int, accepted: int) -> None:
+        """One step: `depth` drafts proposed by `source` (None: none), the first `accepted` accepted.
+        Every source's counts decay, drafted this step or not."""
+        for acc, tested in self._counts.values():
+            for j in range(self.cap):
+                acc[j] *= DECAY
+                tested[j] *= DECAY
+        if source is None or depth == 0:
+            return
+        acc, tested = self._of(source)
+        for j in range(min(depth, accepted + 1, self.cap)):  # drafts past the first rejection were not tested
+            tested[j] += 1.0
+            acc[j] += 1.0 if j < accepted else 0.0
