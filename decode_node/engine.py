@@ -166,6 +166,12 @@ class Request:
     lookup: ContextIndex | None = None  # history, indexed for prompt lookup
     spec: AdaptiveK | None = None  # its running acceptance and choice of K (adaptive K)
     plain: bool = False  # K = 0, nothing proposed, no logprobs: one token per step, nothing else read back
+    # Prompt lookup: whether the context had a match worth drafting after the row's last step
+    # (`hit`) and after the one before (`may_draft`). Step t may draft only if the context had
+    # one after step t - 2: that is known before step t - 1 is read, so rows without a match
+    # pipeline like K = 0 rows (async scheduling), by the same rule in either mode.
+    hit: bool = True
+    may_draft: bool = True
 
     # What the proposer reads (engine/proposer.Row).
     @property
@@ -549,8 +555,32 @@ class DecodeEngine:
 
     def _pipelines(self, requests: list[Request]) -> bool:
         """Whether this step can be queued before the step in flight is read: every row emits
-        exactly one token (no drafts) and needs nothing but its token back (no logprobs)."""
-        return self.pipelined and all(r.plain for r in requests)
+        exactly one token (no drafts: K = 0, or prompt lookup that may not draft now) and needs
+        nothing but its token back (no logprobs)."""
+        if not self.pipelined:
+            return False
+        unread = set() if self._inflight is None else set(self._inflight.requests)
+        return all(r.plain or self._lookup_idle(r, r in unread) for r in requests)
+
+    def _lookup_idle(self, request: Request, in_flight: bool = False) -> bool:
+        """A prompt-lookup row whose next step cannot draft, past its first step. The context after
+        the step before the last decides: `hit` while the row's last step is still in flight,
+        `may_draft` once it is read."""
+        return (
+            self.proposer.method == LOOKUP
+            and request.lookup is not None
+            and not (request.hit if in_flight else request.may_draft)
+            and not request.first_step
+            and not request.input.logprobs
+        )
+
+    def _lookup_hit(self, request: Request) -> bool:
+        """Whether the context as it is now has a prompt-lookup match that adaptive K would draft."""
+        cap = request.input.num_speculative_tokens
+        matched, _ = request.lookup.match(cap)
+        if request.spec is None:
+            return bool(matched)
+        return bool(matched) and request.spec.choose(LOOKUP, len(matched), self.costs) > 0
 
     def _launch(self, requests: list[Request]) -> None:
         """Queue a K = 0 step for `requests` (async scheduling), then read the step before it.
@@ -606,6 +636,10 @@ class DecodeEngine:
             if request.cancelled.is_set():
                 continue
             request.target_state.tokens[slot] = request.history[-1]  # what the step fed: read by now
+            if request.lookup is not None:  # a prompt-lookup row that could not draft
+                self._chose(request, 0)
+                if request.spec is not None:
+                    request.spec.observe(None, 0, 0)
             self._advance(request, [token], [])
 
     def _verify(
@@ -669,18 +703,22 @@ class DecodeEngine:
         if not local:
             return out
         rows = [requests[i] for i in local]
-        plans = self.proposer.plan(rows, [r.input.num_speculative_tokens for r in rows])
+        caps = [0 if self._lookup_idle(r) else r.input.num_speculative_tokens for r in rows]
+        plans = self.proposer.plan(rows, caps)
         depths = [
             plan.limit if r.spec is None else r.spec.choose(plan.source, plan.limit, self.costs)
             for r, plan in zip(rows, plans, strict=True)
         ]
         for request, depth in zip(rows, depths, strict=True):
-            request.stats.chosen_k[depth] += 1
-            if self.metrics:
-                self.metrics.chosen_k.labels(self.proposer.method).observe(depth)
+            self._chose(request, depth)
         for i, proposal in zip(local, self.proposer.propose(rows, plans, depths), strict=True):
             out[i] = proposal
         return out
+
+    def _chose(self, request: Request, depth: int) -> None:
+        request.stats.chosen_k[depth] += 1
+        if self.metrics:
+            self.metrics.chosen_k.labels(self.proposer.method).observe(depth)
 
     def _advance(self, request: Request, emitted: Sequence[int], logprobs: list[TokenLogprob]) -> None:
         data = request.input
@@ -695,6 +733,8 @@ class DecodeEngine:
         request.history += out
         request.remaining -= len(out)
         logprobs = logprobs[: len(out)]
+        if request.lookup is not None and not reason:
+            request.may_draft, request.hit = request.hit, self._lookup_hit(request)
         if reason:
             self._finish(request, out, reason, logprobs)
         else:

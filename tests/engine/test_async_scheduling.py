@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 from decode_node.engine import DecodeConfig, DecodeEngine
+from engine.adaptive import StepCosts
 from engine.paged_lm import paged_pair
 from models.loader import load_pair
 from prefill_node.engine import PrefillConfig, PrefillEngine
@@ -45,12 +46,19 @@ def request(prompt: int, *, k: int = 0, seed: int | None = None, max_new: int = 
     )
 
 
-def run(pair, requests, scheduling: str, *, cancel_after: dict[int, int] | None = None):
+def run(pair, requests, scheduling: str, *, cancel_after: dict[int, int] | None = None, method: str = "draft"):
     """The requests through a prefill engine and a decode engine stepped by hand: per request,
     (tokens, finish reason); `cancel_after` {request: steps} cancels it after that many steps.
     `run.computed`: the target positions the decode engine ran."""
-    prefill = PrefillEngine(pair, PrefillConfig())
-    decode = DecodeEngine(pair, DecodeConfig(max_batch=8, max_speculative_tokens=4, async_scheduling=scheduling))
+    prefill = PrefillEngine(pair, PrefillConfig(speculative_method=method))
+    config = DecodeConfig(
+        max_batch=8,
+        max_speculative_tokens=4,
+        async_scheduling=scheduling,
+        speculative_method=method,
+        step_costs=StepCosts((1.0, 1.2, 1.3, 1.4, 1.5)),  # fixed: adaptive K must not depend on timings here
+    )
+    decode = DecodeEngine(pair, config)
     assert decode.config.pipelined == (scheduling == "on")
     receiver = Receiver.from_contract(pair.contract(), 4)
     running = []
@@ -58,10 +66,12 @@ def run(pair, requests, scheduling: str, *, cancel_after: dict[int, int] | None 
         wire = pdspec_pb2.DecodeRequest.FromString(prefilled.decode_request.SerializeToString())
         first = prefilled.decode_request.first_token_id
         running.append((decode.submit(validate_decode_request(wire, receiver)), [first]))
-    steps, computed = 0, pair.target.positions_computed
+    steps, computed, run.pipelined = 0, pair.target.positions_computed, 0
+    run.stats = [None] * len(running)
     out: list[tuple[list[int], str]] = [([], "")] * len(running)
     while decode.load or any(not reason for _, reason in out):
         decode.step()
+        run.pipelined += decode._inflight is not None
         steps += 1
         assert steps < 500
         for i, (req, tokens) in enumerate(running):
@@ -75,6 +85,7 @@ def run(pair, requests, scheduling: str, *, cancel_after: dict[int, int] | None 
                 tokens += event.tokens
                 if event.finished:
                     out[i] = (tokens, event.finish_reason)
+                    run.stats[i] = event.stats
             if req.cancelled.is_set() and not out[i][1] and (cancel_after or {}).get(i):
                 out[i] = (tokens, "cancelled")
     assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
@@ -119,6 +130,21 @@ def test_speculating_and_logprob_rows_make_the_step_wait_and_still_match(pair):
         request(10, seed=1, max_new=16),
     ]
     assert run(pair, requests, "on") == run(pair, requests, "off")
+
+
+def test_prompt_lookup_rows_pipeline_while_they_cannot_draft_and_match_the_synchronous_engine(pair):
+    """Whether a prompt-lookup row may draft is decided from its context two steps back, so rows
+    without a match pipeline, rows with one wait for the step before and speculate, and the
+    tokens (greedy and seeded, adaptive K on) are those of the synchronous engine."""
+    repeated = [pdspec_pb2.GenerateRequest(prompt_token_ids=[*range(3, 12), *range(3, 12)], num_speculative_tokens=4)]
+    repeated[0].sampling.max_new_tokens = 30
+    requests = [*repeated, request(5, k=4, max_new=30), request(7, k=4, seed=2, max_new=30), request(6, max_new=20)]
+    sync = run(pair, requests, "off", method="prompt-lookup")
+    pipelined = run(pair, requests, "on", method="prompt-lookup")
+    assert pipelined == sync and run.pipelined > 0
+    assert run.stats[0].prompt_lookup_tokens > 0 and sum(run.stats[0].chosen_k[1:]) > 0  # it did speculate
+    plain = run(pair, [request(5, max_new=30)], "off")
+    assert sync[1] == plain[0]  # greedy prompt lookup emits the K = 0 tokens
 
 
 def test_both_nodes_with_async_scheduling_serve_the_synchronous_streams(pair):

@@ -56,6 +56,35 @@ def test_greedy_k4_equals_k0_and_seeded_runs_reproduce_in_a_batch(gpu_pair, law)
         assert decode.engine.pair.target.device.type == "cuda"
 
 
+@pytest.mark.parametrize("method", ["prompt-lookup", "hybrid"])
+def test_prompt_lookup_greedy_equals_k0_on_the_gpu(gpu_pair, method):
+    """Prompt lookup and hybrid (adaptive K, partial proposals, mixed K in one batch) emit the
+    K = 0 tokens, alone and eight at once, and free every KV block."""
+    with cluster(
+        gpu_pair,
+        DecodeConfig(device="cuda", speculative_method=method, max_batch=16),
+        PrefillConfig(device="cuda", speculative_method=method),
+    ) as (client, _, decode):
+        prompts = [[*range(3, 12 + r), *range(3, 12 + r)] for r in range(8)]  # repeated: lookup may match
+        plain = [
+            client.generate(prompt_token_ids=p, greedy=True, max_new_tokens=32, num_speculative_tokens=0)
+            for p in prompts
+        ]
+        with futures.ThreadPoolExecutor(8) as pool:
+            spec = list(
+                pool.map(
+                    lambda p: client.generate(
+                        prompt_token_ids=p, greedy=True, max_new_tokens=32, num_speculative_tokens=4
+                    ),
+                    prompts,
+                )
+            )
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+        assert all(s.stats.speculative_method == method and len(s.stats.chosen_k) == 5 for s in spec)
+        wait_until(lambda: decode.engine.load == 0, what="engine idle")
+        assert decode.engine.pair.target.pool.used_blocks == 0 and decode.engine.pair.draft.pool.used_blocks == 0
+
+
 def test_captured_graphs_equal_eager(gpu_pair):
     from engine.paged_lm import PagedLlamaLM, bytes_per_token
 

@@ -154,7 +154,7 @@ def test_canary_behind_a_full_batch(pair):
             f"first decode token {admitted * 1e3:.0f} ms after a slot freed; {len(canary.tokens)} tokens"
         )
         assert first < 1.0
-        assert queued_messages == 1
+        assert queued_messages == 1, [(r.code, r.finish_reason, len(r.tokens)) for r in longs]
         assert admitted < 1.0
         assert canary.code is grpc.StatusCode.OK and len(canary.tokens) == 16
         for r in longs:

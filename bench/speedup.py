@@ -1,0 +1,241 @@
+"""What speculation buys on the shipped model: every method and K against K = 0, in one run.
+
+    python bench/speedup.py [--device cpu] [--target-model smollm2-135m-instruct] [--draft-layers 8]
+        [--configs k0,draft:4,prompt-lookup:4,prompt-lookup:8,hybrid:4] [--temperatures 0,0.7,1]
+        [--batches 1,16] [--max-new-tokens 128] [--prompts bench/prompts/speedup.jsonl]
+
+Both nodes run in this process on loopback, started with the flags a user would give
+(`--speculative-method`, adaptive K on for prompt-lookup and hybrid), one pair of nodes per
+config. Every prompt of the public set (bench/prompts/speedup.jsonl: summarisation, code
+editing, extraction and passage QA — "grounded" — and open chat) goes through the chat
+template; batch B runs B streams at once over one class group's prompts (grounded, then chat). Per config, temperature,
+batch and prompt class: generated tokens per second of wall time and its ratio to K = 0
+measured in the same run, tokens per verify step (accepted drafts + 1), the share of decode
+steps that verified drafts, acceptance by position (verify steps accepting draft i), and for
+greedy rows whether every output equals K = 0's token for token.
+Writes bench/results/speedup-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import environment, markdown_table, write_results
+from decode_node.engine import DecodeConfig
+from decode_node.server import DecodeNodeConfig
+from decode_node.server import run_server as run_decode
+from pdspec.client import Client
+from pdspec.modelspec import ModelSpec
+from prefill_node.engine import PrefillConfig
+from prefill_node.server import PrefillNodeConfig
+from prefill_node.server import run_server as run_prefill
+
+PROMPTS = Path(__file__).resolve().parent / "prompts" / "speedup.jsonl"
+GROUNDED = ("summarise", "code", "extract", "qa")
+
+
+@dataclass(frozen=True)
+class Config:
+    method: str  # --speculative-method
+    k: int  # the requests' num_speculative_tokens (a cap under adaptive K)
+
+    @property
+    def name(self) -> str:
+        return "k0" if self.k == 0 else f"{self.method}:{self.k}"
+
+    @classmethod
+    def parse(cls, text: str) -> Config:
+        if text == "k0":
+            return cls("draft", 0)
+        method, _, k = text.partition(":")
+        return cls(method, int(k or 4))
+
+
+@contextlib.contextmanager
+def nodes(models: ModelSpec, method: str, max_batch: int):
+    engine = DecodeConfig(speculative_method=method, max_batch=max_batch, device=models.device)
+    decode_config = DecodeNodeConfig(host="127.0.0.1", port=0, metrics_port=None, engine=engine, models=models)
+    with run_decode(decode_config) as decode:
+        prefill_config = PrefillNodeConfig(
+            decode_addr=f"127.0.0.1:{decode.port}",
+            host="127.0.0.1",
+            port=0,
+            metrics_port=None,
+            http_port=None,
+            engine=PrefillConfig(speculative_method=method, device=models.device),
+            models=models,
+            peer_check_s=0.1,
+        )
+        with run_prefill(prefill_config) as prefill, Client(f"127.0.0.1:{prefill.port}") as client:
+            while not prefill.peer.compatible:
+                time.sleep(0.05)
+            yield client, decode
+
+
+def run_set(client: Client, prompts: list[dict], k: int, temperature: float, batch: int, tokens: int) -> list[dict]:
+    """Every prompt once, `batch` streams at a time; per prompt its tokens, stats and wall time."""
+
+    def one(i: int) -> dict:
+        prompt = prompts[i]
+        started = time.perf_counter()
+        out = client.generate(
+            prompt_token_ids=prompt["ids"],
+            max_new_tokens=tokens,
+            greedy=temperature == 0,
+            temperature=temperature or 1.0,
+            seed=1000 + i,
+            num_speculative_tokens=k,
+            timeout=600,
+        )
+        s = out.stats
+        return {
+            "id": prompt["id"],
+            "class": prompt["class"],
+            "token_ids": out.token_ids,
+            "seconds": time.perf_counter() - started,
+            "verify_steps": s.verify_steps,
+            "draft_tokens": s.draft_tokens,
+            "accepted_tokens": s.accepted_tokens,
+            "accepted_per_position": list(s.accepted_per_position),
+            "chosen_k": list(s.chosen_k),
+        }
+
+    with ThreadPoolExecutor(batch) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def summarise(rows: list[dict], wall: float) -> dict:
+    """One group of prompts, run in `wall` seconds."""
+    tokens = sum(len(r["token_ids"]) for r in rows)
+    verify = sum(r["verify_steps"] for r in rows)
+    steps = sum(sum(r["chosen_k"]) for r in rows)
+    accepted = sum(r["accepted_tokens"] for r in rows)
+    positions = max((len(r["accepted_per_position"]) for r in rows), default=0)
+    by_position = [
+        sum(r["accepted_per_position"][i] for r in rows if i < len(r["accepted_per_position"]))
+        for i in range(positions)
+    ]
+    return {
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "tokens_per_verify": (accepted + verify) / verify if verify else None,
+        "verify_share": verify / steps if steps else 0.0,
+        "acceptance_by_position": [a / verify for a in by_position] if verify else [],
+        "draft_tokens": sum(r["draft_tokens"] for r in rows),
+        "accepted_tokens": accepted,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--target-model", default="smollm2-135m-instruct")
+    parser.add_argument("--draft-layers", type=int, default=8)
+    parser.add_argument("--configs", default="k0,draft:4,prompt-lookup:4,prompt-lookup:8,hybrid:4")
+    parser.add_argument("--temperatures", default="0,0.7,1")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=Path, default=PROMPTS)
+    parser.add_argument("--limit", type=int, default=0, help="first N prompts of each class (0 = all)")
+    parser.add_argument("--name", default="speedup")
+    args = parser.parse_args()
+
+    configs = [Config.parse(c) for c in args.configs.split(",")]
+    if configs[0].k != 0:
+        configs.insert(0, Config("draft", 0))
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    models = ModelSpec(
+        target_model=args.target_model, draft_layers=args.draft_layers, device=args.device, dtype=args.dtype
+    )
+    prompts = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
+    tokenizer = models.load().tokenizer
+    for p in prompts:
+        p["ids"] = tokenizer.encode(tokenizer.apply_chat_template(p["messages"]))
+    groups = {}
+    for label, classes in (("grounded", GROUNDED), ("chat", ("chat",))):
+        chosen = [p for p in prompts if p["class"] in classes]
+        if args.limit:
+            chosen = [p for c in classes for p in [q for q in chosen if q["class"] == c][: args.limit]]
+        groups[label] = chosen
+
+    results: dict[tuple, tuple[list[dict], float]] = {}  # (config, T, batch, group) -> (rows, wall seconds)
+    by_method: dict[str, list[Config]] = {}
+    for config in configs:
+        by_method.setdefault(config.method, []).append(config)
+    for method, group in by_method.items():
+        with nodes(models, method, max(batches)) as (client, decode):
+            print(f"# {method}: step costs {decode.engine.costs}", flush=True)
+            run_set(client, prompts[:2], group[0].k, 0, 1, 8)  # warm-up: first-use graphs and allocations
+            for config in group:
+                for temperature in temperatures:
+                    for batch in batches:
+                        for label, chosen in groups.items():
+                            started = time.perf_counter()
+                            rows = run_set(client, chosen, config.k, temperature, batch, args.max_new_tokens)
+                            wall = time.perf_counter() - started
+                            results[(config.name, temperature, batch, label)] = (rows, wall)
+                            print(f"{config.name} T={temperature} B={batch} {label}: {wall:.1f}s", flush=True)
+
+    table, out = [], []
+    for temperature in temperatures:
+        for batch in batches:
+            for config in configs:
+                for label in groups:
+                    rows, wall = results[(config.name, temperature, batch, label)]
+                    base, base_wall = results[(configs[0].name, temperature, batch, label)]
+                    s, b = summarise(rows, wall), summarise(base, base_wall)
+                    same = None
+                    if temperature == 0:
+                        same = sum(r["token_ids"] == q["token_ids"] for r, q in zip(rows, base, strict=True))
+                    row = {
+                        "config": config.name,
+                        "temperature": temperature,
+                        "batch": batch,
+                        "prompts": label,
+                        **s,
+                        "speedup_vs_k0": s["tokens_per_s"] / b["tokens_per_s"],
+                        "greedy_identical": same,
+                        "n": len(rows),
+                        "per_prompt": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows],
+                    }
+                    out.append(row)
+                    table.append(
+                        [
+                            config.name,
+                            temperature,
+                            batch,
+                            label,
+                            f"{s['tokens_per_s']:.1f}",
+                            f"{row['speedup_vs_k0']:.2f}x",
+                            "-" if s["tokens_per_verify"] is None else f"{s['tokens_per_verify']:.2f}",
+                            f"{s['verify_share']:.2f}",
+                            " ".join(f"{a:.2f}" for a in s["acceptance_by_position"]),
+                            "-" if same is None else f"{same}/{len(rows)}",
+                        ]
+                    )
+    header = ["config", "T", "batch", "prompts", "tok/s", "vs K=0", "tok/verify", "verify share", "acc by pos", "= K=0"]
+    text = markdown_table(header, table)
+    print(text)
+    env = {
+        **environment(),
+        "device": args.device,
+        "target_model": args.target_model,
+        "max_new_tokens": str(args.max_new_tokens),
+    }
+    path = write_results(args.name, env, out, text)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
