@@ -148,6 +148,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, default=PROMPTS)
     parser.add_argument("--limit", type=int, default=0, help="first N prompts of each class (0 = all)")
     parser.add_argument("--name", default="speedup")
+    parser.add_argument(
+        "--kv-cache-bytes", type=int, default=4 << 30, help="each node's KV pool (both share the device)"
+    )
     args = parser.parse_args()
 
     configs = [Config.parse(c) for c in args.configs.split(",")]
@@ -156,7 +159,11 @@ def main() -> None:
     temperatures = [float(t) for t in args.temperatures.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     models = ModelSpec(
-        target_model=args.target_model, draft_layers=args.draft_layers, device=args.device, dtype=args.dtype
+        target_model=args.target_model,
+        draft_layers=args.draft_layers,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_bytes,
     )
     prompts = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     tokenizer = models.load().tokenizer

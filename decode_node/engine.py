@@ -509,7 +509,7 @@ class DecodeEngine:
         if not request.streamed:  # the KV came in the message: into the blocks _claim reserved
             import_tensors(pair.target, request.target_state, data.kv_cache)
         k = data.num_speculative_tokens
-        if self.proposer.uses_draft:
+        if self.proposer.uses_draft and k:  # a request that never drafts needs no draft state
             request.draft_state = pair.draft.prefill(data.prompt_token_ids)[1]
             pair.draft.reserve(request.draft_state, needed)
         if self.proposer.method != DRAFT and k:

@@ -81,9 +81,15 @@ class AdaptiveK:
         return self._counts[source]
 
     def rates(self, source: str) -> list[float]:
-        """a_j for j in 0..cap-1: the chance draft j is accepted given the ones before were."""
+        """a_j for j in 0..cap-1: the chance draft j is accepted given the ones before were. Each
+        position's prior is the rate of the position before it (PRIOR for the first), so a
+        position never tested yet is expected to do as its predecessor does."""
         accepted, tested = self._of(source)
-        return [(a + PRIOR * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT) for a, t in zip(accepted, tested, strict=True)]
+        out, prior = [], PRIOR
+        for a, t in zip(accepted, tested, strict=True):
+            prior = (a + prior * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+            out.append(prior)
+        return out
 
     def choose(self, source: str, limit: int, costs: StepCosts) -> int:
         """The K in 0..min(limit, cap) with the most expected tokens per unit of cost."""

@@ -1,0 +1,254 @@
+"""Adaptive K (engine/adaptive.py): the cost table, the choice of K from a request's running
+acceptance by position, what an observation counts, the decay that makes a request probe
+again; StepCosts.measure on a fake clock; DecodeEngine.calibrate on the built-in pair."""
+
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+
+import engine.adaptive as adaptive
+from engine.adaptive import DECAY, PRIOR, PRIOR_WEIGHT, AdaptiveK, StepCosts
+
+LOOKUP, DRAFT = "prompt-lookup", "draft"
+CHEAP = StepCosts((1.0,) * 5)  # a verify of any K costs what a K = 0 step does; prompt lookup drafts for free
+COSTLY = StepCosts((1, 1.3, 1.5, 1.7, 1.9))
+
+
+# -- StepCosts -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "verify, depth",
+    [((), 0.0), ((1.0, 0.0), 0.0), ((1.0, -1.0), 0.0), ((0.0,), 0.0), ((1.0, 1.2), -0.1)],
+)
+def test_step_costs_reject_non_positive_costs(verify, depth):
+    with pytest.raises(ValueError, match="step costs"):
+        StepCosts(verify, depth)
+
+
+def test_step_costs_of_a_step():
+    costs = StepCosts((1.0, 1.5, 2.0), depth=0.25)
+    assert costs.of(0, True) == 1.0
+    assert costs.of(1, False) == 1.5
+    assert costs.of(2, True) == 2.0 + 2 * 0.25
+    assert costs.of(5, False) == 2.0  # beyond the table: its last entry
+    assert costs.of(5, True) == 2.0 + 5 * 0.25
+    assert StepCosts((1.0,)).of(3, True) == 1.0  # depth 0: the draft costs nothing
+
+
+# -- choose --------------------------------------------------------------------------
+
+
+def test_no_limit_chooses_zero():
+    spec = AdaptiveK(4)
+    assert spec.choose(LOOKUP, 0, CHEAP) == 0
+    assert spec.choose(DRAFT, 0, CHEAP) == 0
+
+
+def test_a_fresh_request_drafts_where_drafting_is_cheap():
+    assert AdaptiveK(4).choose(LOOKUP, 4, CHEAP) == 4  # every draft adds tokens at no cost
+    assert AdaptiveK(4).choose(LOOKUP, 2, CHEAP) == 2
+    assert AdaptiveK(4).choose(LOOKUP, 4, COSTLY) > 0  # the prior (a_j = 0.5) still pays for a few
+
+
+def test_a_costly_draft_model_is_not_used_where_prompt_lookup_still_pays():
+    costs = StepCosts((1.0, 1.1, 1.2, 1.3, 1.4), depth=1.0)
+    assert AdaptiveK(4).choose(DRAFT, 4, costs) == 0
+    assert AdaptiveK(4).choose(LOOKUP, 4, costs) > 0
+
+
+def test_rejections_at_position_zero_drive_k_to_zero():
+    spec = AdaptiveK(4)
+    assert spec.choose(LOOKUP, 4, COSTLY) > 0
+    for _ in range(30):
+        spec.observe(LOOKUP, 4, 0)  # the first draft rejected every step
+    assert spec.rates(LOOKUP)[0] < 0.1
+    rates = spec.rates(LOOKUP)
+    assert rates[1:] == [rates[0]] * 3  # never tested: expected to do as position 0 does
+    assert spec.choose(LOOKUP, 4, COSTLY) == 0
+    assert spec.choose(LOOKUP, 4, CHEAP) > 0  # free drafts still pay, whatever the odds
+
+
+def test_full_acceptance_drives_k_to_the_limit():
+    spec = AdaptiveK(4)
+    for _ in range(30):
+        spec.observe(LOOKUP, 4, 4)
+    assert all(rate > 0.9 for rate in spec.rates(LOOKUP))
+    assert spec.choose(LOOKUP, 4, COSTLY) == 4
+    assert spec.choose(LOOKUP, 3, COSTLY) == 3  # the limit (e.g. a shorter match) caps it
+    assert spec.choose(LOOKUP, 9, COSTLY) == 4  # and so does the request's K
+
+
+def test_choose_never_exceeds_the_limit_or_the_cap():
+    rng = random.Random(3)
+    for _ in range(500):
+        cap = rng.randint(0, 6)
+        spec = AdaptiveK(cap)
+        verify = [1.0]
+        for _ in range(rng.randint(0, 7)):
+            verify.append(verify[-1] + rng.choice([0.0, 0.05, 0.3, 1.0]))
+        costs = StepCosts(tuple(verify), rng.choice([0.0, 0.1, 0.5]))
+        source = rng.choice([LOOKUP, DRAFT])
+        for _ in range(rng.randint(0, 8)):
+            depth = rng.randint(0, cap + 2)
+            spec.observe(rng.choice([source, None]), depth, rng.randint(0, depth))
+        limit = rng.randint(0, 8)
+        k = spec.choose(source, limit, costs)
+        assert 0 <= k <= min(limit, cap)
+
+
+# -- observe -------------------------------------------------------------------------
+
+
+def test_observe_counts_only_the_positions_tested():
+    spec = AdaptiveK(4)
+    assert spec.rates(LOOKUP) == [PRIOR] * 4
+    spec.observe(LOOKUP, 4, 1)  # draft 0 accepted, draft 1 rejected: drafts 2 and 3 never tested
+    one = (1 + PRIOR * PRIOR_WEIGHT) / (1 + PRIOR_WEIGHT)
+    zero = (0 + one * PRIOR_WEIGHT) / (1 + PRIOR_WEIGHT)  # each position's prior: the rate before it
+    assert spec.rates(LOOKUP) == pytest.approx([one, zero, zero, zero])
+
+
+def test_observe_all_accepted_tests_the_drafted_positions_only():
+    spec = AdaptiveK(4)
+    spec.observe(LOOKUP, 2, 2)  # both drafts accepted: positions 0 and 1, nothing deeper
+    one = (1 + PRIOR * PRIOR_WEIGHT) / (1 + PRIOR_WEIGHT)
+    two = (1 + one * PRIOR_WEIGHT) / (1 + PRIOR_WEIGHT)
+    assert spec.rates(LOOKUP) == pytest.approx([one, two, two, two])
+    spec.observe(LOOKUP, 7, 7)  # deeper than the cap: only the cap's positions are counted
+    assert len(spec.rates(LOOKUP)) == 4
+
+
+def test_sources_are_counted_apart_and_decay_together():
+    spec = AdaptiveK(2)
+    spec.observe(DRAFT, 2, 0)
+    spec.observe(LOOKUP, 2, 2)  # decays the draft's counts as well
+    rejected = (0 + PRIOR * PRIOR_WEIGHT) / (DECAY + PRIOR_WEIGHT)
+    accepted = (1 + PRIOR * PRIOR_WEIGHT) / (1 + PRIOR_WEIGHT)
+    assert spec.rates(DRAFT) == pytest.approx([rejected, rejected])
+    assert spec.rates(LOOKUP) == pytest.approx([accepted, (1 + accepted * PRIOR_WEIGHT) / (1 + PRIOR_WEIGHT)])
+
+
+def test_decay_makes_a_request_at_zero_probe_again():
+    spec = AdaptiveK(4)
+    for _ in range(30):
+        spec.observe(LOOKUP, 4, 0)
+    assert spec.choose(LOOKUP, 4, COSTLY) == 0
+    steps = 0
+    while spec.choose(LOOKUP, 4, COSTLY) == 0:
+        spec.observe(None, 0, 0)  # a K = 0 step: nothing drafted, the counts decay
+        steps += 1
+        assert steps < 100, "never probes again"
+    assert steps > 1  # not at once: the rejections are remembered for a while
+    assert spec.rates(LOOKUP)[0] > 0.25
+
+
+def test_a_simulated_request_settles_and_recovers():
+    """Acceptance driven by choose: a request whose lookups stop paying falls to K = 0, then
+    after its text turns repetitive again reaches the full K."""
+    spec = AdaptiveK(4)
+    costs = StepCosts((1.0, 1.1, 1.2, 1.3, 1.4))
+    chosen = []
+    for step in range(120):
+        k = spec.choose(LOOKUP, 4, costs)
+        chosen.append(k)
+        if not k:
+            spec.observe(None, 0, 0)
+        else:
+            spec.observe(LOOKUP, k, 0 if step < 60 else k)  # everything rejected, then everything accepted
+    assert 0 in chosen[:60] and chosen[110:] == [4] * 10
+
+
+# -- StepCosts.measure ----------------------------------------------------------------
+
+
+class FakeClock:
+    """perf_counter() that moves only when the fake work says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_measure_on_a_fake_clock(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(adaptive, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    calls = {"verify": [], "draft": 0}
+    noise = iter([0.3, 0.0, 0.2, 0.1, 0.4] * 20)
+
+    def verify_step(k: int) -> None:
+        calls["verify"].append(k)
+        first = calls["verify"].count(k) == 1
+        clock.now += 100.0 if first else 2.0 + 0.5 * k + next(noise)  # the warm-up is slow, then best of 5
+
+    def draft_depth() -> None:
+        calls["draft"] += 1
+        clock.now += 1.0 + next(noise)
+
+    costs = StepCosts.measure(verify_step, draft_depth, 4)
+    assert calls["verify"] == [k for k in range(5) for _ in range(6)] and calls["draft"] == 6
+    assert costs.verify[0] == 1.0
+    assert costs.verify == pytest.approx((1.0, 1.25, 1.5, 1.75, 2.0))
+    assert costs.depth == pytest.approx(0.5)
+
+
+def test_measure_never_lets_noise_make_k_cheaper(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(adaptive, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    per_k = {0: 2.0, 1: 1.5, 2: 3.0, 3: 2.5, 4: 4.0}  # k = 1 "faster" than k = 0, k = 3 than k = 2
+
+    def verify_step(k: int) -> None:
+        clock.now += per_k[k]
+
+    costs = StepCosts.measure(verify_step, None, 4)
+    assert costs.verify == pytest.approx((1.0, 1.0, 1.5, 1.5, 2.0))
+    assert list(costs.verify) == sorted(costs.verify)  # non-decreasing
+    assert costs.depth == 0.0  # no draft model (prompt lookup)
+
+
+def test_measure_with_busy_work():
+    """Real timing of deterministic work proportional to k: verify[0] is 1 and nothing decreases."""
+
+    def verify_step(k: int) -> None:
+        sum(i * i for i in range(2000 * (k + 1)))
+
+    costs = StepCosts.measure(verify_step, lambda: sum(range(500)), 3)
+    assert len(costs.verify) == 4 and costs.verify[0] == 1.0
+    assert all(c >= 1.0 for c in costs.verify)
+    assert list(costs.verify) == sorted(costs.verify)  # non-decreasing
+    assert costs.depth > 0
+
+
+# -- DecodeEngine.calibrate ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["prompt-lookup", "hybrid"])
+def test_calibrate_measures_a_table_on_the_models(pair, method):
+    from decode_node.engine import DecodeConfig, DecodeEngine
+
+    engine = DecodeEngine(pair, DecodeConfig(speculative_method=method, max_speculative_tokens=4))
+    costs = engine.calibrate()
+    assert engine.costs is costs
+    assert len(costs.verify) == 5 and costs.verify[0] == 1.0
+    assert list(costs.verify) == sorted(costs.verify)  # non-decreasing
+    assert (costs.depth > 0) == (method == "hybrid")  # prompt lookup alone drafts for free
+
+
+def test_calibrate_keeps_a_configured_table_and_skips_without_adaptive_k(pair):
+    from decode_node.engine import DecodeConfig, DecodeEngine
+
+    configured = DecodeEngine(pair, DecodeConfig(speculative_method="prompt-lookup", step_costs=COSTLY))
+    assert configured.calibrate() is COSTLY
+    default = DecodeEngine(pair, DecodeConfig(speculative_method="prompt-lookup", adaptive_k="off"))
+    assert default.calibrate().verify == (1.0,) * 9  # max_speculative_tokens 8: untouched
+    assert not DecodeConfig().adaptive  # the draft model: auto is off
+    assert DecodeConfig(adaptive_k="on").adaptive
+    assert DecodeConfig(speculative_method="hybrid").adaptive
+    assert not DecodeConfig(speculative_method="hybrid", adaptive_k="off").adaptive
+    with pytest.raises(ValueError, match="adaptive_k"):
+        DecodeConfig(adaptive_k="maybe")
