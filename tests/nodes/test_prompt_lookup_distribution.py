@@ -18,8 +18,6 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from scipy import stats
-
 from decode_node.engine import DecodeConfig, DecodeEngine
 from engine.adaptive import StepCosts
 from models.pair import ModelPair
@@ -28,9 +26,9 @@ from protos import pdspec_pb2
 from protos.validation import DecodeInput, Receiver, validate_decode_request
 from sampling import Verifier
 from tests.nodes.harness import exact_joint, memoized
+from tests.nodes.test_distribution import SAMPLES, joint_pvalue
 from tests.sampling.helpers import ALPHA
 
-SAMPLES = 20_000
 TOKENS = 3  # the joint law of the first 3 tokens
 K = 4
 PROMPT = list(b"os\nimport ")  # varied continuations; most first tokens occurred in the prompt
@@ -113,20 +111,6 @@ def generate_lookup(
                 seen.lookup_tokens += event.stats.prompt_lookup_tokens
         outputs.append(out)
     return outputs, seen
-
-
-def joint_pvalue(outputs: list[list[int]], joint: dict[tuple[int, ...], float]) -> float:
-    """Bins: every TOKENS-token prefix expected >= 5 times, plus one bin for all the rest."""
-    counts = collections.Counter(tuple(out[:TOKENS]) for out in outputs)
-    observed, expected = [], []
-    for prefix, prob in joint.items():
-        if prob * SAMPLES >= 5:
-            observed.append(counts.get(prefix, 0))
-            expected.append(prob * SAMPLES)
-    observed.append(SAMPLES - sum(observed))
-    expected.append(SAMPLES - sum(expected))
-    assert len(observed) > 100  # enough bins for the test to have power
-    return float(stats.chisquare(observed, expected).pvalue)
 
 
 def test_prompt_lookup_with_adaptive_k_keeps_the_targets_law(pair):
