@@ -26,9 +26,11 @@ from decode_node.engine import DecodeConfig
 from decode_node.server import DecodeNodeConfig
 from decode_node.server import run_server as run_decode
 from pdspec.client import Client
+from prefill_node.engine import PrefillConfig
 from prefill_node.server import PrefillNodeConfig
 from prefill_node.server import run_server as run_prefill
 from protos import pdspec_pb2, pdspec_pb2_grpc
+from protos.validation import RequestLimits
 from tests.nodes.conftest import cluster, drain, health_status, wait_until
 from tests.nodes.test_faults import free_port
 
@@ -36,6 +38,10 @@ LONG = 4096  # the default --max-new-tokens-limit: ~14 s of the n-gram pair alon
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SMALL = DecodeConfig(max_batch=4, max_queue=4)
+# Greedy "import " never reaches EOS under the n-gram pair, so these streams hold their slots
+# until cancelled: a slot frees only when the test frees it, whatever the machine's speed.
+ENDLESS = 1 << 16
+ENDLESS_LIMITS = RequestLimits(max_new_tokens=ENDLESS)
 
 
 class Reader:
@@ -133,8 +139,14 @@ def test_canary_behind_a_full_batch(pair):
     """Policy: no preemption. Decode admits in arrival order; a request that finds every slot
     taken waits in the queue (not rejected) and starts at the first step after a slot frees.
     Its first token is prefill's own, so time to first token does not depend on decode's load."""
-    with cluster(pair, SMALL, max_streams=64) as (client, _, decode):
-        longs = [Reader(client.stream("import ", max_new_tokens=LONG, seed=i, timeout=120)) for i in range(4)]
+    with cluster(
+        pair,
+        SMALL,
+        PrefillConfig(limits=ENDLESS_LIMITS),
+        decode_node={"limits": ENDLESS_LIMITS},
+        max_streams=64,
+    ) as (client, _, decode):
+        longs = [Reader(client.stream("import ", max_new_tokens=ENDLESS, greedy=True, timeout=300)) for _ in range(4)]
         wait_until(lambda: decode.engine.running == 4, timeout=5, what="a full batch")
         sent = time.monotonic()
         canary = Reader(client.stream("def ", max_new_tokens=16, seed=7, timeout=60), sent)
@@ -144,6 +156,7 @@ def test_canary_behind_a_full_batch(pair):
         time.sleep(4.0)  # longer than the relay watchdog (3 s): a queued request is not a stalled one
         queued_messages = canary.messages  # nothing from decode while the batch stays full
         running = decode.engine.running
+        assert running == 4 and all(r.code is None for r in longs), [(r.code, r.finish_reason) for r in longs]
         longs[0].cancel()
         freed = time.monotonic()
         wait_until(lambda: canary.messages > 1 or canary.code is not None, timeout=5, what="the canary decoding")
