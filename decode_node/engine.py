@@ -37,8 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from engine.adaptive import AdaptiveK, StepCosts
+from engine.adaptive import AdaptiveK, BatchGate, StepCosts
 from engine.device import on_device
 from engine.prompt_lookup import ContextIndex, check_lookup_range
 from engine.proposer import (
@@ -220,6 +221,11 @@ class DecodeEngine:
             config.max_tree_nodes,
         )
         self.costs = config.step_costs or StepCosts((1.0,) * (config.max_speculative_tokens + 1))
+        # Prompt lookup with adaptive K: whether a batch speculates at all, from its measured steps.
+        self.gate = BatchGate() if config.adaptive and self.proposer.method == LOOKUP else None
+        self._step_kind: tuple[int, bool] | None = None  # (rows, speculated) of a gated step, for the gate
+        self._emitted = 0  # tokens emitted in the current step
+        self._holding = False  # this step runs at K = 0 (no row drafts)
         self._lock = threading.Condition()
         self._pending: list[Request] = []
         self._active: list[Request] = []
@@ -392,8 +398,12 @@ class DecodeEngine:
         GPU, not while it prepares the next step: on an H200 at 32 streams they took the GIL
         ~1.8 ms per step, on the engine's critical path."""
         started = time.perf_counter()
+        self._step_kind, self._emitted = None, 0
         with on_device(self.config.device):
             ran = self._step()
+        if self._step_kind is not None:
+            rows, speculated = self._step_kind
+            self.gate.record(rows, speculated, self._emitted, time.perf_counter() - started)
         if deliver or not self._active:
             self._deliver()
         if ran and self.metrics:
@@ -445,7 +455,8 @@ class DecodeEngine:
             self._sweep()
             return False
         try:
-            if live and self._pipelines(live):
+            self._holding = bool(live) and self._gated(live, self._pipelines(live))
+            if self._holding and self.pipelined:
                 self._launch(live)
             else:
                 self._drain()
@@ -562,6 +573,29 @@ class DecodeEngine:
         unread = set() if self._inflight is None else set(self._inflight.requests)
         return all(r.plain or self._lookup_idle(r, r in unread) for r in requests)
 
+    def _gated(self, requests: list[Request], pipelines: bool) -> bool:
+        """Whether this step runs at K = 0 (queued, with async scheduling): when every row emits
+        one token anyway (`pipelines`), or when the batch gate holds it there. Only a batch of more
+        than one row whose every row's tokens do not depend on K (greedy, or sampled without a
+        seed), with nothing to read back but its token, is gated; its step is then timed for
+        the gate, of either kind."""
+        gateable = (
+            self.gate is not None
+            and len(requests) > 1
+            and all(
+                (r.plain or r.spec is not None)
+                and not r.first_step
+                and not r.input.logprobs
+                and (r.params.is_greedy or r.params.seed is None)
+                for r in requests
+            )
+        )
+        if not gateable:
+            return pipelines
+        plain = pipelines or not self.gate.allows(len(requests))
+        self._step_kind = (len(requests), not plain)
+        return plain
+
     def _lookup_idle(self, request: Request, in_flight: bool = False) -> bool:
         """A prompt-lookup row whose next step cannot draft, past its first step. The context after
         the step before the last decides: `hit` while the row's last step is still in flight,
@@ -662,22 +696,21 @@ class DecodeEngine:
         else:
             n = max(sizes)
             batch = len(proposals)
-            draft_ids = torch.zeros(batch, n, dtype=torch.int64)
-            parents = torch.full((batch, n), -1, dtype=torch.int64)
-            target_logits = torch.zeros(batch, n + 1, logits[0].shape[-1], device=device)  # [B, N+1, Vt]
+            # Rows padded to the longest: a handful of host-built tensors and device ops for the batch.
+            draft_ids = torch.tensor([[*p.token_ids, *[0] * (n - len(p.token_ids))] for p in proposals])  # [B, N]
+            parents = torch.tensor([[*p.parents, *[-1] * (n - len(p.parents))] for p in proposals])  # [B, N]
+            target_logits = pad_sequence(logits, batch_first=True).to(
+                device, torch.float32
+            )  # [B, N+1, Vt], 0 past a row
             probs = None
             if not all(point_mass):  # one launch for both laws: a point mass is a one-hot row
                 probs = torch.zeros(batch, n, target_logits.shape[-1], device=device)  # [B, N, Vt]
-            for b, (p, row) in enumerate(zip(proposals, logits, strict=True)):
-                size = len(p.token_ids)
-                draft_ids[b, :size] = torch.tensor(p.token_ids, dtype=torch.int64)
-                parents[b, :size] = torch.tensor(p.parents, dtype=torch.int64)
-                target_logits[b, : size + 1] = row
-                if probs is not None and size:
-                    if p.probs is None:
-                        probs[b, torch.arange(size), draft_ids[b, :size].to(device)] = 1.0
-                    else:
-                        probs[b, :size] = p.probs
+                hot = [(b, j, t) for b, p in enumerate(proposals) if p.probs is None for j, t in enumerate(p.token_ids)]
+                if hot:
+                    probs[tuple(torch.tensor(hot).T.to(device))] = 1.0
+                for b, p in enumerate(proposals):
+                    if p.probs is not None and p.token_ids:
+                        probs[b, : len(p.token_ids)] = p.probs
             result = self.verifier.verify_tree(
                 draft_ids, parents, [len(p.token_ids) for p in proposals], probs, target_logits, params, rngs
             )
@@ -703,7 +736,7 @@ class DecodeEngine:
         if not local:
             return out
         rows = [requests[i] for i in local]
-        caps = [0 if self._lookup_idle(r) else r.input.num_speculative_tokens for r in rows]
+        caps = [0 if self._holding or self._lookup_idle(r) else r.input.num_speculative_tokens for r in rows]
         plans = self.proposer.plan(rows, caps)
         depths = [
             plan.limit if r.spec is None else r.spec.choose(plan.source, plan.limit, self.costs)
@@ -732,6 +765,7 @@ class DecodeEngine:
                 break
         request.history += out
         request.remaining -= len(out)
+        self._emitted += len(out)
         logprobs = logprobs[: len(out)]
         if request.lookup is not None and not reason:
             request.may_draft, request.hit = request.hit, self._lookup_hit(request)

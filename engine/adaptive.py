@@ -92,7 +92,8 @@ class AdaptiveK:
         return out
 
     def choose(self, source: str, limit: int, costs: StepCosts) -> int:
-        """The K in 0..min(limit, cap) with the most expected tokens per unit of cost."""
+        """The K in 0..min(limit, cap) with the most expected tokens per unit of cost (the cost
+        table is a batch-1 table: `BatchGate` decides for a batch as a whole)."""
         limit = min(limit, self.cap)
         best_k, best_rate = 0, 1.0  # K = 0: one token for one step
         expected, reach = 1.0, 1.0
@@ -117,3 +118,55 @@ class AdaptiveK:
         for j in range(min(depth, accepted + 1, self.cap)):  # drafts past the first rejection were not tested
             tested[j] += 1.0
             acc[j] += 1.0 if j < accepted else 0.0
+
+
+class BatchGate:
+    """Whether speculating pays for a batch as a whole, from the steps the node has run.
+
+    `StepCosts` is measured at batch 1. In a larger batch a step that verifies drafts costs
+    more than the sum of its rows' tables: it cannot be queued before the step in flight is
+    read (a K = 0 step can), and its per-row host work grows with the batch. So for each
+    batch-size bucket (powers of two) the node keeps the smoothed rate, in tokens per row per
+    second, of its K = 0 steps and of its speculating steps, and runs the faster kind; every
+    `PROBE_EVERY` steps it runs `PROBE_STEPS` of the other kind, so a change in the rows'
+    acceptance is seen. A step right after one of the other kind is not counted: the first
+    queued K = 0 step reads nothing yet, and the first speculating one waits for the K = 0
+    step still in flight. The engine gates only rows whose tokens do not depend on K (greedy,
+    or sampled without a seed): a seeded row's tokens may not depend on what else is in the
+    batch."""
+
+    PROBE_EVERY = 64
+    PROBE_STEPS = 3
+    SMOOTHING = 0.25  # weight of the newest step in a rate
+
+    def __init__(self) -> None:
+        self._rates: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> tokens per row per s
+        self._since: dict[int, int] = {}  # bucket -> steps since the slower kind last ran
+        self._last: tuple[int, bool] | None = None  # the kind of the step before
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << (batch - 1).bit_length()
+
+    def rate(self, batch: int, speculated: bool) -> float | None:
+        return self._rates.get((self.bucket(batch), speculated))
+
+    def allows(self, batch: int) -> bool:
+        """Whether a step of `batch` rows may speculate (False: run it at K = 0)."""
+        plain, spec = self.rate(batch, False), self.rate(batch, True)
+        if spec is None or plain is None:
+            return spec is None  # measure speculating first, then K = 0
+        bucket = self.bucket(batch)
+        since = self._since.get(bucket, 0) + 1
+        self._since[bucket] = since % (self.PROBE_EVERY + self.PROBE_STEPS)
+        return (spec >= plain) != (since > self.PROBE_EVERY)
+
+    def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """One step of `batch` rows that emitted `tokens` in `seconds` of wall time."""
+        key = (self.bucket(batch), speculated)
+        last, self._last = self._last, key
+        if last != key or seconds <= 0:
+            return
+        now = tokens / batch / seconds
+        old = self._rates.get(key)
+        self._rates[key] = now if old is None else old + self.SMOOTHING * (now - old)

@@ -10,7 +10,7 @@ import types
 import pytest
 
 import engine.adaptive as adaptive
-from engine.adaptive import DECAY, PRIOR, PRIOR_WEIGHT, AdaptiveK, StepCosts
+from engine.adaptive import DECAY, PRIOR, PRIOR_WEIGHT, AdaptiveK, BatchGate, StepCosts
 
 LOOKUP, DRAFT = "prompt-lookup", "draft"
 CHEAP = StepCosts((1.0,) * 5)  # a verify of any K costs what a K = 0 step does; prompt lookup drafts for free
@@ -252,3 +252,48 @@ def test_calibrate_keeps_a_configured_table_and_skips_without_adaptive_k(pair):
     assert not DecodeConfig(speculative_method="hybrid", adaptive_k="off").adaptive
     with pytest.raises(ValueError, match="adaptive_k"):
         DecodeConfig(adaptive_k="maybe")
+
+
+# -- BatchGate ---------------------------------------------------------------------------
+
+
+def test_batch_buckets_are_powers_of_two():
+    assert [BatchGate.bucket(b) for b in (1, 2, 3, 4, 5, 16, 17)] == [1, 2, 4, 4, 8, 16, 32]
+
+
+def steps(gate: BatchGate, batch: int, speculated: bool, tokens: int, seconds: float, n: int = 2) -> None:
+    for _ in range(n):
+        gate.record(batch, speculated, tokens, seconds)
+
+
+def test_the_gate_measures_speculating_then_plain_steps_before_it_holds():
+    gate = BatchGate()
+    assert gate.allows(16)  # nothing measured: speculate (and time it)
+    steps(gate, 16, True, 24, 1.0)
+    assert gate.rate(16, True) == 24 / 16 and not gate.allows(16)  # then a K = 0 step, to time it
+    steps(gate, 16, False, 16, 0.5)
+    assert gate.rate(16, False) == 2.0
+    assert not gate.allows(16)  # 1.5 tokens per row per s speculating, 2.0 at K = 0: hold
+    assert gate.allows(2)  # another bucket has its own rates
+
+
+def test_a_step_after_one_of_the_other_kind_is_not_counted():
+    gate = BatchGate()
+    gate.record(4, False, 4, 1.0)  # the first of its kind: not counted
+    assert gate.rate(4, False) is None
+    gate.record(4, False, 0, 1.0)  # the first queued step reads nothing: it is the second here
+    assert gate.rate(4, False) == 0.0
+    gate.record(4, True, 100, 1.0)
+    assert gate.rate(4, True) is None
+
+
+def test_the_slower_kind_is_probed_and_the_rates_follow_it():
+    gate = BatchGate()
+    steps(gate, 8, True, 8, 2.0)
+    steps(gate, 8, False, 8, 1.0)
+    choices = [gate.allows(8) for _ in range(2 * (BatchGate.PROBE_EVERY + BatchGate.PROBE_STEPS))]
+    assert choices.count(True) == 2 * BatchGate.PROBE_STEPS  # probes only
+    first = choices.index(True)
+    assert first == BatchGate.PROBE_EVERY and all(choices[first : first + BatchGate.PROBE_STEPS])
+    steps(gate, 8, True, 40, 1.0, n=20)  # the rows' acceptance rose: speculating now wins
+    assert gate.allows(8)

@@ -46,10 +46,20 @@ def request(prompt: int, *, k: int = 0, seed: int | None = None, max_new: int = 
     )
 
 
-def run(pair, requests, scheduling: str, *, cancel_after: dict[int, int] | None = None, method: str = "draft"):
+def run(
+    pair,
+    requests,
+    scheduling: str,
+    *,
+    cancel_after: dict[int, int] | None = None,
+    method: str = "draft",
+    gate: str = "off",
+):
     """The requests through a prefill engine and a decode engine stepped by hand: per request,
     (tokens, finish reason); `cancel_after` {request: steps} cancels it after that many steps.
-    `run.computed`: the target positions the decode engine ran."""
+    `run.computed`: the target positions the decode engine ran. gate: no batch gate ("off":
+    adaptive K must not depend on timings here), or one that starts out having measured K = 0
+    steps as the faster kind at every batch size ("plain-faster")."""
     prefill = PrefillEngine(pair, PrefillConfig(speculative_method=method))
     config = DecodeConfig(
         max_batch=8,
@@ -60,6 +70,12 @@ def run(pair, requests, scheduling: str, *, cancel_after: dict[int, int] | None 
     )
     decode = DecodeEngine(pair, config)
     assert decode.config.pipelined == (scheduling == "on")
+    if gate == "off":
+        decode.gate = None
+    else:
+        for batch in (2, 4, 8):
+            for speculated, seconds in ((True, 2.0), (True, 2.0), (False, 1.0), (False, 1.0)):
+                decode.gate.record(batch, speculated, batch, seconds)
     receiver = Receiver.from_contract(pair.contract(), 4)
     running = []
     for prefilled in prefill.prefill_many([prefill.check(r) for r in requests]):
@@ -145,6 +161,27 @@ def test_prompt_lookup_rows_pipeline_while_they_cannot_draft_and_match_the_synch
     assert run.stats[0].prompt_lookup_tokens > 0 and sum(run.stats[0].chosen_k[1:]) > 0  # it did speculate
     plain = run(pair, [request(5, max_new=30)], "off")
     assert sync[1] == plain[0]  # greedy prompt lookup emits the K = 0 tokens
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_the_batch_gate_holds_rows_whose_tokens_do_not_depend_on_k(pair, scheduling):
+    """Where the node measured K = 0 steps as faster at a batch size, a batch of greedy or
+    unseeded rows runs at K = 0 (queued, with async scheduling) and greedy rows still emit
+    the K = 0 tokens; one seeded sampled row in the batch lets every row speculate, and its
+    tokens are those of an engine that never gates."""
+    repeated = pdspec_pb2.GenerateRequest(prompt_token_ids=[*range(3, 12), *range(3, 12)], num_speculative_tokens=4)
+    repeated.sampling.max_new_tokens = 30
+    greedy = [repeated, request(5, k=4, max_new=30)]
+    held = run(pair, greedy, scheduling, method="prompt-lookup", gate="plain-faster")
+    assert sum(s.prompt_lookup_tokens for s in run.stats) == 0  # every step after the first held
+    if scheduling == "on":
+        assert run.pipelined > 0
+    free = run(pair, greedy, scheduling, method="prompt-lookup")
+    assert held == free and run.stats[0].prompt_lookup_tokens > 0  # ungated, the repeated prompt drafts
+    seeded = [repeated, request(7, k=4, seed=2, max_new=30)]
+    gated = run(pair, seeded, scheduling, method="prompt-lookup", gate="plain-faster")
+    assert run.stats[0].prompt_lookup_tokens > 0
+    assert gated == run(pair, seeded, scheduling, method="prompt-lookup")
 
 
 def test_both_nodes_with_async_scheduling_serve_the_synchronous_streams(pair):

@@ -437,3 +437,24 @@ def test_smollm2_tokenizer_and_layer_skip_draft(smollm2):
     assert pair.d2t.is_identity and draft.num_layers == 8 and draft.module is pair.target.module
     contract = pair.contract()
     assert contract.target_model != contract.draft_model and len(contract.kv_layout) == 60
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_linear_is_the_linear_map(rows, bias):
+    """The CPU's skinny-row product (W x^T)^T is x W^T + b: one row (padded to two), a few,
+    and more than the skinny limit (F.linear), with and without bias; the shape and layout
+    a caller views into are F.linear's."""
+    from models.llama import Linear
+
+    torch.manual_seed(rows)
+    layer = Linear(48, 80, bias=bias)
+    x = torch.randn(rows, 48)
+    out = layer(x)
+    assert out.shape == (rows, 80) and out.is_contiguous()
+    torch.testing.assert_close(
+        out,
+        torch.nn.functional.linear(
+            x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double()
+        ).float(),
+    )
