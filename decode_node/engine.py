@@ -173,6 +173,7 @@ class Request:
     # pipeline like K = 0 rows (async scheduling), by the same rule in either mode.
     hit: bool = True
     may_draft: bool = True
+    gain: float = 1.0  # the tokens its next step expects if it drafts (adaptive K's E(K)), for the batch gate
 
     # What the proposer reads (engine/proposer.Row).
     @property
@@ -224,7 +225,6 @@ class DecodeEngine:
         # Prompt lookup with adaptive K: whether a batch speculates at all, from its measured steps.
         self.gate = BatchGate() if config.adaptive and self.proposer.method == LOOKUP else None
         self._step_kind: tuple[int, bool] | None = None  # (rows, speculated) of a gated step, for the gate
-        self._emitted = 0  # tokens emitted in the current step
         self._holding = False  # this step runs at K = 0 (no row drafts)
         self._lock = threading.Condition()
         self._pending: list[Request] = []
@@ -398,12 +398,12 @@ class DecodeEngine:
         GPU, not while it prepares the next step: on an H200 at 32 streams they took the GIL
         ~1.8 ms per step, on the engine's critical path."""
         started = time.perf_counter()
-        self._step_kind, self._emitted = None, 0
+        self._step_kind = None
         with on_device(self.config.device):
             ran = self._step()
         if self._step_kind is not None:
             rows, speculated = self._step_kind
-            self.gate.record(rows, speculated, self._emitted, time.perf_counter() - started)
+            self.gate.record(rows, speculated, time.perf_counter() - started)
         if deliver or not self._active:
             self._deliver()
         if ran and self.metrics:
@@ -592,7 +592,9 @@ class DecodeEngine:
         )
         if not gateable:
             return pipelines
-        plain = pipelines or not self.gate.allows(len(requests))
+        unread = set() if self._inflight is None else set(self._inflight.requests)
+        expected = sum(1.0 if r.plain or self._lookup_idle(r, r in unread) else r.gain for r in requests)
+        plain = pipelines or not self.gate.allows(len(requests), expected)
         self._step_kind = (len(requests), not plain)
         return plain
 
@@ -614,7 +616,9 @@ class DecodeEngine:
         matched, _ = request.lookup.match(cap)
         if request.spec is None:
             return bool(matched)
-        return bool(matched) and request.spec.choose(LOOKUP, len(matched), self.costs) > 0
+        k = request.spec.choose(LOOKUP, len(matched), self.costs) if matched else 0
+        request.gain = request.spec.expected(LOOKUP, k)
+        return k > 0
 
     def _launch(self, requests: list[Request]) -> None:
         """Queue a K = 0 step for `requests` (async scheduling), then read the step before it.
@@ -765,7 +769,6 @@ class DecodeEngine:
                 break
         request.history += out
         request.remaining -= len(out)
-        self._emitted += len(out)
         logprobs = logprobs[: len(out)]
         if request.lookup is not None and not reason:
             request.may_draft, request.hit = request.hit, self._lookup_hit(request)

@@ -91,6 +91,14 @@ class AdaptiveK:
             out.append(prior)
         return out
 
+    def expected(self, source: str, k: int) -> float:
+        """E(k): the tokens a verify of k drafts from `source` emits in expectation."""
+        expected, reach = 1.0, 1.0
+        for a in self.rates(source)[:k]:
+            reach *= a
+            expected += reach
+        return expected
+
     def choose(self, source: str, limit: int, costs: StepCosts) -> int:
         """The K in 0..min(limit, cap) with the most expected tokens per unit of cost (the cost
         table is a batch-1 table: `BatchGate` decides for a batch as a whole)."""
@@ -124,49 +132,49 @@ class BatchGate:
     """Whether speculating pays for a batch as a whole, from the steps the node has run.
 
     `StepCosts` is measured at batch 1. In a larger batch a step that verifies drafts costs
-    more than the sum of its rows' tables: it cannot be queued before the step in flight is
-    read (a K = 0 step can), and its per-row host work grows with the batch. So for each
-    batch-size bucket (powers of two) the node keeps the smoothed rate, in tokens per row per
-    second, of its K = 0 steps and of its speculating steps, and runs the faster kind; every
-    `PROBE_EVERY` steps it runs `PROBE_STEPS` of the other kind, so a change in the rows'
-    acceptance is seen. A step right after one of the other kind is not counted: the first
-    queued K = 0 step reads nothing yet, and the first speculating one waits for the K = 0
-    step still in flight. The engine gates only rows whose tokens do not depend on K (greedy,
-    or sampled without a seed): a seeded row's tokens may not depend on what else is in the
-    batch."""
+    more than its rows' tables say: it cannot be queued before the step in flight is read (a
+    K = 0 step can), and its per-row host work grows with the batch. So for each batch-size
+    bucket (powers of two) the node keeps the smoothed wall time of its K = 0 steps and of its
+    speculating steps, and speculates only while the tokens the rows expect from it (their
+    own E(K)) per second beat one token per row per K = 0 step; every `PROBE_EVERY` steps it
+    runs `PROBE_STEPS` of the other kind, so a change in either time is seen. A step right
+    after one of the other kind is not timed: the first queued K = 0 step also reads nothing
+    yet, and the first speculating one waits for the K = 0 step still in flight. The engine
+    gates only rows whose tokens do not depend on K (greedy, or sampled without a seed): a
+    seeded row's tokens may not depend on what else is in the batch."""
 
     PROBE_EVERY = 64
     PROBE_STEPS = 3
-    SMOOTHING = 0.25  # weight of the newest step in a rate
+    SMOOTHING = 0.25  # weight of the newest step in a time
 
     def __init__(self) -> None:
-        self._rates: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> tokens per row per s
-        self._since: dict[int, int] = {}  # bucket -> steps since the slower kind last ran
+        self._times: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> seconds per step
+        self._since: dict[int, int] = {}  # bucket -> steps since the other kind last ran
         self._last: tuple[int, bool] | None = None  # the kind of the step before
 
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << (batch - 1).bit_length()
 
-    def rate(self, batch: int, speculated: bool) -> float | None:
-        return self._rates.get((self.bucket(batch), speculated))
+    def time(self, batch: int, speculated: bool) -> float | None:
+        return self._times.get((self.bucket(batch), speculated))
 
-    def allows(self, batch: int) -> bool:
-        """Whether a step of `batch` rows may speculate (False: run it at K = 0)."""
-        plain, spec = self.rate(batch, False), self.rate(batch, True)
+    def allows(self, batch: int, expected: float) -> bool:
+        """Whether a step of `batch` rows that expect `expected` tokens in all from speculating
+        may speculate (False: run it at K = 0)."""
+        plain, spec = self.time(batch, False), self.time(batch, True)
         if spec is None or plain is None:
-            return spec is None  # measure speculating first, then K = 0
+            return spec is None  # time speculating first, then K = 0
         bucket = self.bucket(batch)
         since = self._since.get(bucket, 0) + 1
         self._since[bucket] = since % (self.PROBE_EVERY + self.PROBE_STEPS)
-        return (spec >= plain) != (since > self.PROBE_EVERY)
+        return (expected / spec >= batch / plain) != (since > self.PROBE_EVERY)
 
-    def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """One step of `batch` rows that emitted `tokens` in `seconds` of wall time."""
+    def record(self, batch: int, speculated: bool, seconds: float) -> None:
+        """The wall time of one step of `batch` rows."""
         key = (self.bucket(batch), speculated)
         last, self._last = self._last, key
         if last != key or seconds <= 0:
             return
-        now = tokens / batch / seconds
-        old = self._rates.get(key)
-        self._rates[key] = now if old is None else old + self.SMOOTHING * (now - old)
+        old = self._times.get(key)
+        self._times[key] = seconds if old is None else old + self.SMOOTHING * (seconds - old)

@@ -261,39 +261,50 @@ def test_batch_buckets_are_powers_of_two():
     assert [BatchGate.bucket(b) for b in (1, 2, 3, 4, 5, 16, 17)] == [1, 2, 4, 4, 8, 16, 32]
 
 
-def steps(gate: BatchGate, batch: int, speculated: bool, tokens: int, seconds: float, n: int = 2) -> None:
+def steps(gate: BatchGate, batch: int, speculated: bool, seconds: float, n: int = 2) -> None:
     for _ in range(n):
-        gate.record(batch, speculated, tokens, seconds)
+        gate.record(batch, speculated, seconds)
 
 
-def test_the_gate_measures_speculating_then_plain_steps_before_it_holds():
+def test_expected_tokens_of_a_verify():
+    spec = AdaptiveK(3)
+    assert spec.expected(LOOKUP, 0) == 1.0
+    a = spec.rates(LOOKUP)
+    assert spec.expected(LOOKUP, 2) == pytest.approx(1 + a[0] + a[0] * a[1])
+
+
+def test_the_gate_times_speculating_then_plain_steps_before_it_holds():
     gate = BatchGate()
-    assert gate.allows(16)  # nothing measured: speculate (and time it)
-    steps(gate, 16, True, 24, 1.0)
-    assert gate.rate(16, True) == 24 / 16 and not gate.allows(16)  # then a K = 0 step, to time it
-    steps(gate, 16, False, 16, 0.5)
-    assert gate.rate(16, False) == 2.0
-    assert not gate.allows(16)  # 1.5 tokens per row per s speculating, 2.0 at K = 0: hold
-    assert gate.allows(2)  # another bucket has its own rates
+    assert gate.allows(16, 16.0)  # nothing timed: speculate (and time it)
+    steps(gate, 16, True, 2.0)
+    assert gate.time(16, True) == 2.0 and not gate.allows(16, 40.0)  # then a K = 0 step, to time it
+    steps(gate, 16, False, 1.0)
+    assert gate.time(16, False) == 1.0
+    assert not gate.allows(16, 24.0)  # 24 tokens in 2 s against 16 in 1 s: hold at K = 0
+    assert gate.allows(16, 40.0)  # 40 in 2 s: speculate
+    assert gate.allows(2, 2.0)  # another bucket has its own times
 
 
-def test_a_step_after_one_of_the_other_kind_is_not_counted():
+def test_a_step_after_one_of_the_other_kind_is_not_timed():
     gate = BatchGate()
-    gate.record(4, False, 4, 1.0)  # the first of its kind: not counted
-    assert gate.rate(4, False) is None
-    gate.record(4, False, 0, 1.0)  # the first queued step reads nothing: it is the second here
-    assert gate.rate(4, False) == 0.0
-    gate.record(4, True, 100, 1.0)
-    assert gate.rate(4, True) is None
+    gate.record(4, False, 1.0)  # the first of its kind: not timed
+    assert gate.time(4, False) is None
+    gate.record(4, False, 3.0)
+    assert gate.time(4, False) == 3.0
+    gate.record(4, True, 100.0)
+    assert gate.time(4, True) is None
+    gate.record(4, True, 5.0)
+    gate.record(4, True, 1.0)
+    assert gate.time(4, True) == pytest.approx(5.0 + BatchGate.SMOOTHING * (1.0 - 5.0))
 
 
-def test_the_slower_kind_is_probed_and_the_rates_follow_it():
+def test_the_slower_kind_is_probed_and_the_times_follow_it():
     gate = BatchGate()
-    steps(gate, 8, True, 8, 2.0)
-    steps(gate, 8, False, 8, 1.0)
-    choices = [gate.allows(8) for _ in range(2 * (BatchGate.PROBE_EVERY + BatchGate.PROBE_STEPS))]
+    steps(gate, 8, True, 2.0)
+    steps(gate, 8, False, 1.0)
+    choices = [gate.allows(8, 12.0) for _ in range(2 * (BatchGate.PROBE_EVERY + BatchGate.PROBE_STEPS))]
     assert choices.count(True) == 2 * BatchGate.PROBE_STEPS  # probes only
     first = choices.index(True)
     assert first == BatchGate.PROBE_EVERY and all(choices[first : first + BatchGate.PROBE_STEPS])
-    steps(gate, 8, True, 40, 1.0, n=20)  # the rows' acceptance rose: speculating now wins
-    assert gate.allows(8)
+    steps(gate, 8, True, 1.2, n=20)  # speculating steps got cheaper: 12 tokens in 1.2 s beat 8 in 1 s
+    assert gate.allows(8, 12.0)
