@@ -143,8 +143,9 @@ class BatchGate:
     gates only rows whose tokens do not depend on K (greedy, or sampled without a seed): a
     seeded row's tokens may not depend on what else is in the batch."""
 
-    PROBE_EVERY = 64
+    PROBE_EVERY = 64  # steps between probes of the other kind, at least
     PROBE_STEPS = 3
+    PROBE_SHARE = 0.05  # of the time at K = 0, the most that probing a slower speculating step may take
     SMOOTHING = 0.25  # weight of the newest step in a time
 
     def __init__(self) -> None:
@@ -159,16 +160,40 @@ class BatchGate:
     def time(self, batch: int, speculated: bool) -> float | None:
         return self._times.get((self.bucket(batch), speculated))
 
+    def _times_at(self, bucket: int) -> tuple[float | None, float | None]:
+        """(K = 0, speculating) step times at `bucket`; what it has not timed yet is taken from
+        the nearest bucket that timed both, at that bucket's ratio (only the ratio decides), so
+        a batch that shrinks as its rows finish does not pay for timing speculation again."""
+        plain, spec = self._times.get((bucket, False)), self._times.get((bucket, True))
+        if plain is not None and spec is not None:
+            return plain, spec
+        timed = [b for b, speculated in self._times if speculated and (b, False) in self._times]
+        if not timed:
+            return plain, spec
+        near = min(timed, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
+        ratio = self._times[(near, True)] / self._times[(near, False)]
+        if plain is not None:
+            return plain, plain * ratio
+        if spec is not None:
+            return spec / ratio, spec
+        return self._times[(near, False)], self._times[(near, True)]
+
     def allows(self, batch: int, expected: float) -> bool:
         """Whether a step of `batch` rows that expect `expected` tokens in all from speculating
         may speculate (False: run it at K = 0)."""
-        plain, spec = self.time(batch, False), self.time(batch, True)
+        bucket = self.bucket(batch)
+        plain, spec = self._times_at(bucket)
         if spec is None or plain is None:
             return spec is None  # time speculating first, then K = 0
-        bucket = self.bucket(batch)
+        speculate = expected / spec >= batch / plain
+        # Probing a speculating step that costs r K = 0 steps every n steps costs PROBE_STEPS * r / n.
+        every = (
+            self.PROBE_EVERY if speculate else max(self.PROBE_EVERY, self.PROBE_STEPS * spec / plain / self.PROBE_SHARE)
+        )
         since = self._since.get(bucket, 0) + 1
-        self._since[bucket] = since % (self.PROBE_EVERY + self.PROBE_STEPS)
-        return (expected / spec >= batch / plain) != (since > self.PROBE_EVERY)
+        probe = since > every
+        self._since[bucket] = 0 if since >= every + self.PROBE_STEPS else since
+        return speculate != probe
 
     def record(self, batch: int, speculated: bool, seconds: float) -> None:
         """The wall time of one step of `batch` rows."""

@@ -282,7 +282,10 @@ def test_the_gate_times_speculating_then_plain_steps_before_it_holds():
     assert gate.time(16, False) == 1.0
     assert not gate.allows(16, 24.0)  # 24 tokens in 2 s against 16 in 1 s: hold at K = 0
     assert gate.allows(16, 40.0)  # 40 in 2 s: speculate
-    assert gate.allows(2, 2.0)  # another bucket has its own times
+    # A bucket not timed yet borrows the nearest timed one's ratio: no new timing as a batch shrinks.
+    assert not gate.allows(2, 3.0) and gate.allows(2, 4.0)
+    steps(gate, 2, False, 0.1)
+    assert gate.time(2, True) is None and not gate.allows(2, 3.0) and gate.allows(2, 4.0)  # 0.2 s at this ratio
 
 
 def test_a_step_after_one_of_the_other_kind_is_not_timed():
@@ -298,13 +301,17 @@ def test_a_step_after_one_of_the_other_kind_is_not_timed():
     assert gate.time(4, True) == pytest.approx(5.0 + BatchGate.SMOOTHING * (1.0 - 5.0))
 
 
-def test_the_slower_kind_is_probed_and_the_times_follow_it():
+def test_the_slower_kind_is_probed_at_a_bounded_cost_and_the_times_follow_it():
     gate = BatchGate()
-    steps(gate, 8, True, 2.0)
+    steps(gate, 8, True, 10.0)  # a speculating step costs ten K = 0 steps
     steps(gate, 8, False, 1.0)
-    choices = [gate.allows(8, 12.0) for _ in range(2 * (BatchGate.PROBE_EVERY + BatchGate.PROBE_STEPS))]
+    every = BatchGate.PROBE_STEPS * 10.0 / BatchGate.PROBE_SHARE  # probing takes PROBE_SHARE of the time
+    assert every > BatchGate.PROBE_EVERY
+    choices = [gate.allows(8, 12.0) for _ in range(2 * int(every + BatchGate.PROBE_STEPS))]
     assert choices.count(True) == 2 * BatchGate.PROBE_STEPS  # probes only
     first = choices.index(True)
-    assert first == BatchGate.PROBE_EVERY and all(choices[first : first + BatchGate.PROBE_STEPS])
-    steps(gate, 8, True, 1.2, n=20)  # speculating steps got cheaper: 12 tokens in 1.2 s beat 8 in 1 s
+    assert first == every and all(choices[first : first + BatchGate.PROBE_STEPS])
+    steps(gate, 8, True, 1.2, n=30)  # speculating steps got cheaper: 12 tokens in 1.2 s beat 8 in 1 s
     assert gate.allows(8, 12.0)
+    plain_probes = [not gate.allows(8, 12.0) for _ in range(2 * (BatchGate.PROBE_EVERY + BatchGate.PROBE_STEPS))]
+    assert plain_probes.count(True) == 2 * BatchGate.PROBE_STEPS  # the slower K = 0 is probed every PROBE_EVERY
