@@ -1,4 +1,4 @@
-"""Attention over the paged KV pool, by backend (the comparison the GPU-engine issue asks for).
+"""Attention over the paged KV pool, by backend (which one the engine should run).
 
     python bench/attention.py [--device cuda] [--batches 1,8,32,64] [--contexts 256,1024,4096]
                               [--queries 1,5] [--repeat 50] [--no-flex] [--name attention] [--smoke]

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes outside the model forward (the GPU-engine issue's "< 10%").
+"""Where a decode step's time goes outside the model forward (the goal: "< 10%").
 
     python bench/decode_step.py [--device cuda] [--shape llama3-8b] [--batches 1,8] [--k 0,4]
                                 [--scheduling off,on] [--smoke]

@@ -1,4 +1,4 @@
-"""Re-measure the reliability findings of the issue (fbed5d7) with probes of the same shape.
+"""Re-measure the reliability findings (as of fbed5d7) with probes of the same shape.
 
     python bench/findings.py [--only 1,2,3,5,6,7] [--outage 30]
 

@@ -26,7 +26,7 @@ from bench.common import environment, markdown_table, write_results
 from sampling import RejectionSampler, rejection_sample
 
 CASES = [(1, 4, 128256), (64, 4, 128256), (256, 4, 128256), (64, 1, 32000), (64, 8, 151936), (512, 4, 32000)]
-# FlashInfer chain_speculative_sampling on an H200, the steering team's figures in docs/design.md §7 (not rerun here).
+# FlashInfer chain_speculative_sampling on an H200, the figures in docs/design.md §7 (not rerun here).
 FLASHINFER_US = {
     ((1, 4, 128256), True): 44,
     ((64, 4, 128256), True): 90,

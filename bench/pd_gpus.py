@@ -1,5 +1,5 @@
 """Disaggregated vs colocated PD under a mixed load: does decode keep its pace while long
-prompts arrive? (the two-GPU issue)
+prompts arrive?
 
     python bench/pd_gpus.py [--setups disagg,disagg-shm,colocated,k0] [--rates 0.5,1] [--smoke]
 

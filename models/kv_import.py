@@ -8,7 +8,7 @@ way) and `slots[p]`. `KvWriter.write` maps the range onto that: the whole rows o
 ONE scatter, a partial row is a byte copy; nothing the size of the KV is allocated.
 
 On the CPU the scatter is numpy fancy assignment into a view of the storage (about 3 GB/s for
-256-byte rows on the 2-core bench VM, where torch's `index_copy_` on uint8 rows does 0.4 GB/s).
+256-byte rows on a 2-core CPU, where torch's `index_copy_` on uint8 rows does 0.4 GB/s).
 On a GPU each chunk makes one host -> device copy: into a reusable pinned buffer, one
 non-blocking copy to a device staging buffer, then the scatter as one kernel, all on one import
 stream per device (the engine's stream never waits on an upload). The import stream does wait,

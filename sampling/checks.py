@@ -155,7 +155,7 @@ def _check_values(
 
 
 # Tree (multi-draft) verification, sampling/tree.py. The kernel walks a row's nodes one
-# after another, so N bounds a row's serial latency; 64 covers the trees of issue #15.
+# after another, so N bounds a row's serial latency; 64 covers the multi-draft trees.
 MAX_TREE_NODES = 64
 
 
