@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from engine.adaptive import AdaptiveK, BatchGate, StepCosts
+from engine.adaptive import QUEUED, AdaptiveK, BatchGate, StepCosts
 from engine.device import on_device
 from engine.prompt_lookup import ContextIndex, check_lookup_range
 from engine.proposer import (
@@ -315,13 +315,15 @@ class DecodeEngine:
     def calibrate(self) -> StepCosts:
         """Measure adaptive K's cost table on this node's models: a verify of k + 1 tokens (and
         its rejection sampling) for k in 0..max K at batch 1 after a short context, and one
-        draft depth, each relative to k = 0. Start-up only (the engine thread is not running);
+        draft depth, each relative to a K = 0 step as this node runs it (queued, with async
+        scheduling). Start-up only (the engine thread is not running);
         a no-op without adaptive K or with a table configured."""
         config = self.config
         if not config.adaptive or config.step_costs is not None:
             return self.costs
         target, draft = self.pair.target, self.pair.draft
-        max_k, context, runs = config.max_speculative_tokens, 32, 6 * (config.max_speculative_tokens + 2)
+        max_k, context = config.max_speculative_tokens, 32
+        runs = 6 * (max_k + 2) + 6 * QUEUED  # the tokens the timed steps add
         prompt = [i % target.vocab_size for i in range(context)]
         params, rng = SamplingParams(), RequestRng(0, stream="calibrate")
         states = []
@@ -344,6 +346,18 @@ class DecodeEngine:
                     result.host()
                     target.accept_tree(state, [0])  # one token kept per run: the state grows by one
 
+                def queued_steps(n: int) -> None:
+                    for _ in range(n):
+                        logits = target.extend_batch([state], [[1]])
+                        result = self.verifier.verify(
+                            torch.ones(1, 0, dtype=torch.int64),
+                            None,
+                            torch.stack(logits).to(self.verifier.device),
+                            [params],
+                            [rng],
+                        )
+                    result.host()
+
                 depth = None
                 if self.proposer.uses_draft:
                     draft_state = draft.empty_state()
@@ -354,7 +368,7 @@ class DecodeEngine:
                     def depth() -> None:
                         draft.extend_batch([draft_state], [[1]])[0].argmax(-1).item()
 
-                self.costs = StepCosts.measure(verify_step, depth, max_k)
+                self.costs = StepCosts.measure(verify_step, depth, max_k, queued_steps if self.pipelined else None)
             finally:
                 for model, state in states:
                     model.release(state)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 PRIOR = 0.5  # acceptance assumed before a request has shown any
 PRIOR_WEIGHT = 1.0  # observations the prior is worth
 DECAY = 0.9  # per step: the weight of what a request showed one step ago
+QUEUED = 8  # K = 0 steps queued back to back when timing a pipelined K = 0 step
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,17 @@ class StepCosts:
 
     @classmethod
     def measure(
-        cls, verify_step: Callable[[int], None], draft_depth: Callable[[], None] | None, max_k: int
+        cls,
+        verify_step: Callable[[int], None],
+        draft_depth: Callable[[], None] | None,
+        max_k: int,
+        queued_steps: Callable[[int], None] | None = None,
     ) -> StepCosts:
-        """Time `verify_step(k)` (one target pass of k+1 tokens and its verification) for k in
-        0..max_k and `draft_depth()` (one draft forward), best of a few runs each, relative to k = 0."""
+        """Time `verify_step(k)` (one target pass of k+1 tokens and its verification, read back)
+        for k in 0..max_k and `draft_depth()` (one draft forward), best of a few runs each,
+        relative to a K = 0 step: `verify_step(0)`, or with async scheduling a share of
+        `queued_steps(n)` (n K = 0 steps queued back to back and read once), which is what a
+        K = 0 step costs there — a speculating step is read before the next is queued."""
 
         def best(fn: Callable[[], None]) -> float:
             fn()  # warm-up: first-use allocation, graph capture, kernel compilation
@@ -59,7 +67,7 @@ class StepCosts:
             return min(times)
 
         step = [best(lambda k=k: verify_step(k)) for k in range(max_k + 1)]
-        base = step[0]
+        base = step[0] if queued_steps is None else min(step[0], best(lambda: queued_steps(QUEUED)) / QUEUED)
         depth = best(draft_depth) / base if draft_depth is not None else 0.0
         # A verify never costs less than the step it replaces: timer noise would bias K upwards.
         verify = [1.0] + [max(1.0, t / base) for t in step[1:]]

@@ -211,6 +211,28 @@ def test_measure_never_lets_noise_make_k_cheaper(monkeypatch):
     assert costs.depth == 0.0  # no draft model (prompt lookup)
 
 
+def test_measure_against_queued_k0_steps(monkeypatch):
+    """With async scheduling a K = 0 step is queued behind the one before: its cost is a share
+    of QUEUED steps read once, cheaper than one read back, and every verify is priced against it."""
+    clock = FakeClock()
+    monkeypatch.setattr(adaptive, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    per_k = {0: 2.0, 1: 2.2, 2: 2.4}
+    queued = []
+
+    def verify_step(k: int) -> None:
+        clock.now += per_k[k]
+
+    def queued_steps(n: int) -> None:
+        queued.append(n)
+        clock.now += 1.0 * n + 0.8  # 1.0 per queued step, plus one read
+
+    costs = StepCosts.measure(verify_step, lambda: setattr(clock, "now", clock.now + 0.5), 2, queued_steps)
+    assert set(queued) == {adaptive.QUEUED}
+    base = 1.0 + 0.8 / adaptive.QUEUED
+    assert costs.verify == pytest.approx((1.0, 2.2 / base, 2.4 / base))
+    assert costs.depth == pytest.approx(0.5 / base)
+
+
 def test_measure_with_busy_work():
     """Real timing of deterministic work proportional to k: verify[0] is 1 and nothing decreases."""
 

@@ -253,3 +253,15 @@ def test_a_failing_step_fails_its_requests_frees_their_blocks_and_the_engine_ser
     assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
     assert finish(submit([request(5, max_new=6), request(7, seed=2, max_new=6)])) == ["length", "length"]
     assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
+
+
+def test_calibrate_prices_verifies_against_queued_k0_steps(pair):
+    """With async scheduling the start-up table's K = 0 step is a queued one: the table is
+    still a sane table, and calibration gives back every KV block it took."""
+    engine = DecodeEngine(
+        pair, DecodeConfig(speculative_method="prompt-lookup", async_scheduling="on", max_speculative_tokens=4)
+    )
+    assert engine.pipelined
+    costs = engine.calibrate()
+    assert len(costs.verify) == 5 and costs.verify[0] == 1.0 and list(costs.verify) == sorted(costs.verify)
+    assert pair.target.pool.used_blocks == 0
