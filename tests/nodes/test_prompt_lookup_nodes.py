@@ -60,25 +60,25 @@ def drafted(chosen_k) -> int:
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-@pytest.mark.parametrize("candidates", [1, 2])
-def test_greedy_output_equals_k0(lookup_nodes, prompt, candidates):
+@pytest.mark.parametrize(("k", "candidates"), [(K, 1), (K, 2), (8, 1)])  # 8: the node's largest K
+def test_greedy_output_equals_k0(lookup_nodes, prompt, k, candidates):
     (method, _, _), client, _, _ = lookup_nodes
     plain = client.generate(prompt, greedy=True, max_new_tokens=48, num_speculative_tokens=0)
     spec = client.generate(
-        prompt, greedy=True, max_new_tokens=48, num_speculative_tokens=K, draft_candidates=candidates
+        prompt, greedy=True, max_new_tokens=48, num_speculative_tokens=k, draft_candidates=candidates
     )
     assert len(plain.token_ids) == 48 and spec.finish_reason == plain.finish_reason == "length"
     assert spec.token_ids == plain.token_ids
     assert spec.text == plain.text
     stats = spec.stats
     assert stats.speculative_method == method
-    assert len(stats.chosen_k) == K + 1
+    assert len(stats.chosen_k) == k + 1
     assert sum(stats.chosen_k) > 0  # the decode node's own steps, whatever K they chose
     # Every step with K > 0 verified something; the one verify step more, if any, is the prefill's proposal.
     assert stats.verify_steps - sum(stats.chosen_k[1:]) in (0, 1)
     assert stats.prompt_lookup_tokens <= stats.draft_tokens
     assert stats.accepted_tokens <= stats.draft_tokens
-    assert len(stats.accepted_per_position) == K
+    assert len(stats.accepted_per_position) == k
     assert plain.stats.speculative_method == method and list(plain.stats.chosen_k) == [0]  # K = 0: no choice
     assert plain.stats.prompt_lookup_tokens == plain.stats.draft_tokens == 0
 
