@@ -312,7 +312,7 @@ class Linear(nn.Linear):
     MKL's SGEMM for y = x W^T with a skinny x (a decode step, a verify of K + 1 tokens)
     scales with the row count as if it read W once per row, and its one-row GEMV is slower
     still; the same product as (W x^T)^T, with one row padded to two, reads W once for any
-    row count up to a few hundred: 1.5-3.5x faster at 1-8 rows on an AVX2 EPYC (BENCHMARKS.md).
+    row count: 1.5-3.5x faster at 1-7 rows on an AVX2 EPYC (BENCHMARKS.md).
     It is what makes a verify of K + 1 tokens cost little more than a one-token step there,
     as it does on a GPU. Other devices and dtypes take F.linear."""
 
@@ -324,7 +324,10 @@ class Linear(nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
-CPU_SKINNY_ROWS = 256  # up to here (W x^T)^T beat x W^T at every size measured
+# Up to here: decode steps and verifies of K <= 6. From 8 rows on MKL's x W^T gives each row the
+# bits it gives that row in any larger batch, so a chunked prompt's KV is the same batched or alone;
+# below 8 neither product is batch-invariant (nor was x W^T).
+CPU_SKINNY_ROWS = 7
 
 
 class RMSNorm(nn.Module):

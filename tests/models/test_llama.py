@@ -439,7 +439,7 @@ def test_smollm2_tokenizer_and_layer_skip_draft(smollm2):
     assert contract.target_model != contract.draft_model and len(contract.kv_layout) == 60
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_linear_is_the_linear_map(rows, bias):
     """The CPU's skinny-row product (W x^T)^T is x W^T + b: one row (padded to two), a few,
