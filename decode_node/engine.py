@@ -334,29 +334,19 @@ class DecodeEngine:
                 target.reserve(state, context + runs + max_k + 1)
                 target.extend_last([state], [prompt])
 
-                def verify_step(k: int) -> None:
-                    logits = target.extend_tree([state], [[1] * (k + 1)], [list(range(-1, k))])
-                    result = self.verifier.verify(
-                        torch.ones(1, k, dtype=torch.int64),
-                        None,
-                        torch.stack(logits).to(self.verifier.device),
-                        [params],
-                        [rng],
+                def verify(logits: list[torch.Tensor], k: int):
+                    drafts = torch.ones(1, k, dtype=torch.int64)
+                    return self.verifier.verify(
+                        drafts, None, torch.stack(logits).to(self.verifier.device), [params], [rng]
                     )
-                    result.host()
+
+                def verify_step(k: int) -> None:
+                    verify(target.extend_tree([state], [[1] * (k + 1)], [list(range(-1, k))]), k).host()
                     target.accept_tree(state, [0])  # one token kept per run: the state grows by one
 
                 def queued_steps(n: int) -> None:
-                    for _ in range(n):
-                        logits = target.extend_batch([state], [[1]])
-                        result = self.verifier.verify(
-                            torch.ones(1, 0, dtype=torch.int64),
-                            None,
-                            torch.stack(logits).to(self.verifier.device),
-                            [params],
-                            [rng],
-                        )
-                    result.host()
+                    results = [verify(target.extend_batch([state], [[1]]), 0) for _ in range(n)]
+                    results[-1].host()
 
                 depth = None
                 if self.proposer.uses_draft:
@@ -469,7 +459,7 @@ class DecodeEngine:
             self._sweep()
             return False
         try:
-            self._holding = bool(live) and self._gated(live, self._pipelines(live))
+            self._holding = bool(live) and self._gated(live, unread, self._pipelines(live, unread))
             if self._holding and self.pipelined:
                 self._launch(live)
             else:
@@ -578,16 +568,15 @@ class DecodeEngine:
                 logprobs = token_logprobs(rows.to(self.verifier.device), torch.tensor(emitted), top)
             self._advance(request, emitted, logprobs)
 
-    def _pipelines(self, requests: list[Request]) -> bool:
-        """Whether this step can be queued before the step in flight is read: every row emits
-        exactly one token (no drafts: K = 0, or prompt lookup that may not draft now) and needs
-        nothing but its token back (no logprobs)."""
+    def _pipelines(self, requests: list[Request], unread: set[Request]) -> bool:
+        """Whether this step can be queued before the step in flight (its rows: `unread`) is
+        read: every row emits exactly one token (no drafts: K = 0, or prompt lookup that may not
+        draft now) and needs nothing but its token back (no logprobs)."""
         if not self.pipelined:
             return False
-        unread = set() if self._inflight is None else set(self._inflight.requests)
         return all(r.plain or self._lookup_idle(r, r in unread) for r in requests)
 
-    def _gated(self, requests: list[Request], pipelines: bool) -> bool:
+    def _gated(self, requests: list[Request], unread: set[Request], pipelines: bool) -> bool:
         """Whether this step runs at K = 0 (queued, with async scheduling): when every row emits
         one token anyway (`pipelines`), or when the batch gate holds it there. Only a batch of more
         than one row whose every row's tokens do not depend on K (greedy, or sampled without a
@@ -606,7 +595,6 @@ class DecodeEngine:
         )
         if not gateable:
             return pipelines
-        unread = set() if self._inflight is None else set(self._inflight.requests)
         expected = sum(1.0 if r.plain or self._lookup_idle(r, r in unread) else r.gain for r in requests)
         plain = pipelines or not self.gate.allows(len(requests), expected)
         self._step_kind = (len(requests), not plain)
