@@ -77,7 +77,7 @@ def engine_config(args) -> DecodeConfig:
 def main(argv: list[str] | None = None) -> None:
     args, _ = build_parser().parse_known_args(argv)  # --version and --help exit here
     setup_logging("decode", args.log_level, args.log_format)
-    serve_until_signal(run_server(parse_args(argv)))
+    serve_until_signal(run_server(parse_args(argv)), "decode")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import grpc
 
 import pdspec
 from decode_node.engine import DecodeConfig, DecodeEngine, Event, QueueFull, Request
-from engine.paged_lm import paged_pair
+from engine.paged_lm import kv_pool_bytes, paged_pair
 from engine.proposer import PROPOSAL_SOURCES
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics, SummaryLogger
@@ -463,6 +463,7 @@ def node_info(pair: ModelPair, config: DecodeNodeConfig, engine: DecodeEngine) -
         prompt_lookup_min=engine_config.prompt_lookup_min,
         prompt_lookup_max=engine_config.prompt_lookup_max,
         adaptive_k=engine_config.adaptive,
+        kv_pool_bytes=kv_pool_bytes(pair),
     )
 
 
@@ -489,6 +490,7 @@ def run_server(
     engine_factory: Callable[..., DecodeEngine] = DecodeEngine,
 ) -> Iterator[RunningDecodeNode]:
     """Load the models, start serving; NOT_SERVING is reported until both are done."""
+    config.models.check_memory()
     pair = paged_pair(
         (pair_loader or config.models.load)(),
         config.models.kv_budget(),

@@ -478,6 +478,14 @@ def paged_pair(
         draft = PagedLlamaLM.with_pool(draft, tokens * bytes_per_token(draft), eager=eager, attention=attention)
         draft.warm_up()
     target.warm_up()
+    log.info(
+        "KV pools: %s",
+        ", ".join(
+            f"{role} {m.pool.num_blocks} blocks of {m.pool.block_size} tokens ({m.pool.kv.nbytes / 2**20:.0f} MiB)"
+            for role, m in (("target", target), ("draft", draft))
+            if isinstance(m, PagedLlamaLM)
+        ),
+    )
     if capture is not None and target.graphs:
         started = time.monotonic()
         captured = target.capture_graphs(capture.batch, capture.context, capture.target_queries)
@@ -485,6 +493,11 @@ def paged_pair(
             captured += draft.capture_graphs(capture.batch, capture.context, capture.draft_queries)
         log.info("captured %d CUDA graphs in %.1f s (%s)", captured, time.monotonic() - started, capture)
     return ModelPair(target, draft, pair.d2t, pair.tokenizer)
+
+
+def kv_pool_bytes(pair: ModelPair) -> int:
+    """The bytes of the pair's KV pools (GetInfo's kv_pool_bytes; 0 for models without one)."""
+    return sum(m.pool.kv.nbytes for m in (pair.target, pair.draft) if isinstance(m, PagedLlamaLM))
 
 
 def bytes_per_token(model: LlamaCausalLM) -> int:

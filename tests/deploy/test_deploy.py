@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from decode_node.__main__ import build_parser as decode_parser
 from decode_node.__main__ import parse_args as decode_args
 from pdspec import healthcheck
+from pdspec.local import GPU_SHARES
 from prefill_node.__main__ import build_parser as prefill_parser
 from prefill_node.__main__ import parse_args as prefill_args
 from tests.nodes.conftest import cluster
@@ -69,6 +70,11 @@ def test_compose_files_validate(override):
         role = {"decode": "DECODE", "prefill": "PREFILL"}
         for key in ("DEVICE", "DTYPE"):
             assert env["decode"][f"PDSPEC_DECODE_{key}"] == env["prefill"][f"PDSPEC_PREFILL_{key}"], key
+        shares = {name: float(env[name][f"PDSPEC_{role[name]}_GPU_MEMORY_UTILIZATION"]) for name in env}
+        if override == "docker-compose.two-gpu.yml":
+            assert shares == {"decode": 0.9, "prefill": 0.9}  # a GPU each
+        else:  # both on one GPU: the split `pdspec serve --device cuda` makes
+            assert shares == GPU_SHARES
         for name, parser in (("decode", decode_args), ("prefill", prefill_args)):
             for variable in env[name]:
                 if variable.startswith(f"PDSPEC_{role[name]}_"):

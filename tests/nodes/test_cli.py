@@ -69,3 +69,59 @@ def test_serve_gives_both_nodes_prompt_lookup_by_default(capsys):
     with pytest.raises(SystemExit):
         local.parse_args(["--speculative-method", "guess"])
     assert "--speculative-method" in capsys.readouterr().err
+
+
+def test_serve_splits_one_gpu_between_the_nodes(capsys):
+    """On a GPU both nodes get their own share of it (decode the larger: its pool grows with
+    concurrency), on the CPU none; shares outside (0, 1] or adding up to more than the device
+    are the launcher's error naming the flags."""
+    from pdspec import local
+
+    gpu = local.parse_args(["--device", "cuda"])
+    assert local.memory_flags(gpu, "decode") == ["--gpu-memory-utilization", "0.55"]
+    assert local.memory_flags(gpu, "prefill") == ["--gpu-memory-utilization", "0.3"]
+    assert local.memory_flags(local.parse_args([]), "decode") == []
+    mine = local.parse_args(["--device", "cuda:1", "--decode-gpu-memory-utilization", "0.6"])
+    assert local.memory_flags(mine, "decode") == ["--gpu-memory-utilization", "0.6"]
+    for argv, flag in (
+        (["--prefill-gpu-memory-utilization", "0"], "--prefill-gpu-memory-utilization: expected a value in (0, 1]"),
+        (["--decode-gpu-memory-utilization", "0.8"], "expected at most 1 (both nodes share the GPU), got 1.1"),
+    ):
+        with pytest.raises(SystemExit):
+            local.parse_args(argv)
+        assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("free_gib", "held_gib", "fraction", "expected"),
+    [
+        (100, 0, 0.5, "ok"),  # the check before loading: 50 of 100 free
+        (40, 0, 0.5, "only this much is free: 40.0 GiB"),  # another process holds 60
+        (60, 40, 0.5, "ok"),  # after loading: 50 - 40 of weights = 10 for the pool
+        (60, 55, 0.5, "this node's weights alone take 55.0 GiB"),
+        (5, 40, 0.5, "beside its 40.0 GiB only this much is free: 5.0 GiB"),  # the other node came first
+    ],
+)
+def test_the_memory_share_is_this_process_s_own(monkeypatch, free_gib, held_gib, fraction, expected):
+    """--gpu-memory-utilization × total is what this process may hold (weights + pool): the
+    pool is that less what it holds; a share that does not fit in the free memory is one
+    MemoryShareError naming the flag, the value and the remedy. The device's memory figures
+    are given here; tests/nodes/test_gpu_serve.py runs the rule on a GPU."""
+    import torch
+
+    from pdspec.modelspec import GIB, MemoryShareError, ModelSpec
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free_gib * GIB, 100 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: held_gib * GIB)
+    spec = ModelSpec(device="cuda", gpu_memory_utilization=fraction)
+    check = spec.check_memory if held_gib == 0 else spec.kv_budget
+    if expected == "ok":
+        budget = check()
+        assert budget is None if held_gib == 0 else budget == (50 - held_gib) * GIB
+        return
+    with pytest.raises(MemoryShareError) as err:
+        check()
+    message = str(err.value)
+    assert message.startswith(f"--gpu-memory-utilization {fraction}: 50.0 GiB of cuda's 100.0 GiB, but "), message
+    assert expected in message and "--kv-cache-bytes" in message and "\n" not in message
+    assert ModelSpec(device="cuda", kv_cache_bytes=GIB).kv_budget() == GIB  # an explicit pool is not a share

@@ -237,7 +237,10 @@ def test_shared_kv_needs_the_opt_in(llama_pair, shm_dir):
     contract = llama_pair.contract()
     with decode_node(llama_pair, models=ModelSpec(kv_cache_bytes=1 << 20)) as decode:
         stub = DecodeStub(grpc.insecure_channel(f"127.0.0.1:{decode.port}"))
-        assert not stub.GetInfo(pdspec_pb2.InfoRequest(), timeout=5).accepts_shm_kv
+        info = stub.GetInfo(pdspec_pb2.InfoRequest(), timeout=5)
+        assert not info.accepts_shm_kv
+        pools = decode.engine.pair.target.pool.kv.nbytes + decode.engine.pair.draft.pool.kv.nbytes
+        assert info.kv_pool_bytes == pools and (1 << 20) - 2 * 16 * 1024 < pools <= 1 << 20  # whole blocks
         segment = _segment_holding(_random_kv(contract, 20))
         message = wire.WireDecodeRequest(_header(20, contract))
         message.header.kv_shm.CopyFrom(segment.handle)
@@ -257,6 +260,8 @@ def test_shared_kv_needs_the_opt_in(llama_pair, shm_dir):
         with run_prefill(config, lambda: llama_pair) as prefill:
             wait_until(lambda: "--accept-shm-kv" in prefill.peer.problem, what="the peer check naming the flag")
             assert not prefill.peer.compatible
+            with Client(f"127.0.0.1:{prefill.port}") as client:
+                assert client.info().kv_pool_bytes == pools  # the same budget, the same pools
 
 
 def test_a_refused_shared_kv_is_unlinked_by_the_prefill_node(llama_pair, small_pool, shm_dir):

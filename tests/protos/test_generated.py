@@ -106,6 +106,7 @@ ADDED = {
         "prompt_lookup_min": 32,
         "prompt_lookup_max": 33,
         "adaptive_k": 34,
+        "kv_pool_bytes": 35,
     },
     "SharedKv": {"name": 1, "size": 2, "manifest": 3, "offsets": 4, "lengths": 5},
 }
