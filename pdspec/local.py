@@ -210,11 +210,18 @@ def main(argv: list[str] | None = None) -> None:
         for p in processes:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
+        killed = []
         for p in processes:
             try:
-                p.wait(timeout=15)
+                p.wait(timeout=STOP_S)
             except subprocess.TimeoutExpired:
                 p.kill()
+                killed.append(p.args[2])
+        if killed:  # a node that ignores SIGTERM is a bug to see, not to hide behind exit status 0
+            raise SystemExit(f"pdspec: {', '.join(killed)} did not stop within {STOP_S} s of SIGTERM and was killed")
+
+
+STOP_S = 15  # a node drains for its grace period (5 s) and then exits
 
 
 if __name__ == "__main__":

@@ -21,7 +21,11 @@ def serve_until_signal(server_context: contextlib.AbstractContextManager, role: 
         signal.signal(sig, lambda *_: stop.set())
     try:
         with server_context:
-            stop.wait()
+            # A timed wait, not stop.wait(): the kernel may deliver SIGTERM to any of the node's
+            # threads (gRPC, inductor's compile workers, ...), and Python runs the handler only
+            # when the main thread runs bytecode; an untimed wait would sleep through it.
+            while not stop.wait(SIGNAL_POLL_S):
+                pass
     except MemoryShareError as err:
         raise SystemExit(f"pdspec {role} node: error: {err}") from None
     except torch.OutOfMemoryError as err:  # another process took the memory after the check
@@ -30,6 +34,9 @@ def serve_until_signal(server_context: contextlib.AbstractContextManager, role: 
             f"pdspec {role} node: error: out of GPU memory while starting ({first}); "
             "pass a smaller --gpu-memory-utilization or --kv-cache-bytes"
         ) from None
+
+
+SIGNAL_POLL_S = 0.2
 
 
 class NodeShell:

@@ -19,13 +19,15 @@ import yaml
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
-from pdspec.client import Client
+from pdspec.client import Client, decode_info
 from pdspec.local import GPU_SHARES, wait_serving
 from tests.models.hf_fixtures import WORDS, make_family_checkpoint, make_tokenizer
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 START_S = 300
+STOP_S = 30
+NODE_ENV = {**os.environ, "PYTHONFAULTHANDLER": "1"}
 
 
 @pytest.fixture(autouse=True)
@@ -51,10 +53,20 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def stop(process: subprocess.Popen) -> int:
+def stop(process: subprocess.Popen) -> int | str:
+    """The exit status after SIGTERM; a process still running after STOP_S is made to dump
+    its threads' stacks (PYTHONFAULTHANDLER, see `NODE_ENV`) into its log and killed."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
-    return process.wait(timeout=60)
+    try:
+        return process.wait(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        try:
+            process.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        return f"{process.args[:3]} did not stop within {STOP_S} s of SIGTERM"
 
 
 def generate_both_ways(grpc_port: int, http_port: int) -> None:
@@ -62,13 +74,15 @@ def generate_both_ways(grpc_port: int, http_port: int) -> None:
     with Client(f"127.0.0.1:{grpc_port}") as client:
         out = client.generate("the cat sat on the mat", greedy=True, max_new_tokens=16)
         assert len(out.token_ids) > 0
-        info = client.info()
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="-", max_retries=0, timeout=60)
-    completion = api.completions.create(model=info.target_model, prompt="the cat sat on the mat", max_tokens=8)
+    model = api.models.list().data[0].id
+    completion = api.completions.create(model=model, prompt="the cat sat on the mat", max_tokens=8)
     assert completion.choices[0].text is not None and completion.usage.completion_tokens > 0
 
 
-def pool_bytes(port: int) -> int:
+def pool_bytes(port: int, role: str) -> int:
+    if role == "decode":
+        return decode_info(f"127.0.0.1:{port}").kv_pool_bytes
     with Client(f"127.0.0.1:{port}") as client:
         return client.info().kv_pool_bytes
 
@@ -88,13 +102,14 @@ def test_serve_on_one_gpu_with_default_flags(checkpoint, tmp_path):
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=ROOT,
+        env=NODE_ENV,
     )
     try:
         wait_serving(f"127.0.0.1:{prefill}", START_S, [launcher])
         generate_both_ways(prefill, http)
         total = torch.cuda.mem_get_info()[1]
         for port, role in ((decode, "decode"), (prefill, "prefill")):
-            assert 0 < pool_bytes(port) < GPU_SHARES[role] * total, role
+            assert 0 < pool_bytes(port, role) < GPU_SHARES[role] * total, role
     finally:
         code = stop(launcher)
         log.seek(0)
@@ -145,7 +160,7 @@ def test_the_gpu_compose_command_lines_share_one_gpu(checkpoint, tmp_path):
             processes.append(
                 subprocess.Popen(
                     [sys.executable, "-m", f"{role}_node"],
-                    env={**os.environ, **env},
+                    env={**NODE_ENV, **env},
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     cwd=ROOT,
@@ -155,7 +170,7 @@ def test_the_gpu_compose_command_lines_share_one_gpu(checkpoint, tmp_path):
         generate_both_ways(ports["prefill"], ports["http"])
     finally:
         codes = [stop(p) for p in reversed(processes)]
-    assert codes == [0, 0], [(tmp_path / f"{r}.log").read_text()[-2000:] for r in ("decode", "prefill")]
+    assert codes == [0, 0], (codes, *((tmp_path / f"{r}.log").read_text()[-6000:] for r in ("prefill", "decode")))
 
 
 def test_a_share_that_does_not_fit_is_one_line_and_the_launcher_stops_the_other_node(checkpoint, tmp_path):
@@ -164,7 +179,7 @@ def test_a_share_that_does_not_fit_is_one_line_and_the_launcher_stops_the_other_
     launcher (decode 0.55 of a half-free GPU) the prefill node is stopped and the launcher
     exits non-zero."""
     free, total = torch.cuda.mem_get_info()
-    hold = torch.empty(int(free - total / 2), dtype=torch.uint8, device="cuda")
+    hold = torch.empty(max(0, int(free - total / 2)), dtype=torch.uint8, device="cuda")  # at most half free
     port, metrics = free_ports(2)
     node = subprocess.run(
         [
