@@ -81,8 +81,13 @@ def nodes(models: ModelSpec, method: str, max_batch: int):
             yield client, decode
 
 
-def run_set(client: Client, prompts: list[dict], k: int, temperature: float, batch: int, tokens: int) -> list[dict]:
-    """Every prompt once, `batch` streams at a time; per prompt its tokens, stats and wall time."""
+def run_set(
+    client: Client, prompts: list[dict], k: int, temperature: float, batch: int, tokens: int, seeded: bool
+) -> list[dict]:
+    """Every prompt once, `batch` streams at a time; per prompt its tokens, stats and wall time.
+    `seeded`: each sampled request carries a seed of its own (its tokens then never depend on
+    what else shares its batch, so the batch gate leaves its rows alone); else none, as from a
+    client that sends none."""
 
     def one(i: int) -> dict:
         prompt = prompts[i]
@@ -92,7 +97,7 @@ def run_set(client: Client, prompts: list[dict], k: int, temperature: float, bat
             max_new_tokens=tokens,
             greedy=temperature == 0,
             temperature=temperature or 1.0,
-            seed=1000 + i,
+            seed=1000 + i if seeded else None,
             num_speculative_tokens=k,
             timeout=600,
         )
@@ -149,6 +154,12 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0, help="first N prompts of each class (0 = all)")
     parser.add_argument("--name", default="speedup")
     parser.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="sampled requests carry no seed, as from a client that sends none (the batch gate may then decide "
+        "their steps); by default each carries its own",
+    )
+    parser.add_argument(
         "--kv-cache-bytes", type=int, default=4 << 30, help="each node's KV pool (both share the device)"
     )
     args = parser.parse_args()
@@ -183,13 +194,15 @@ def main() -> None:
     for method, group in by_method.items():
         with nodes(models, method, max(batches)) as (client, decode):
             print(f"# {method}: step costs {decode.engine.costs}", flush=True)
-            run_set(client, prompts[:2], group[0].k, 0, 1, 8)  # warm-up: first-use graphs and allocations
+            run_set(client, prompts[:2], group[0].k, 0, 1, 8, True)  # warm-up: first-use graphs and allocations
             for config in group:
                 for temperature in temperatures:
                     for batch in batches:
                         for label, chosen in groups.items():
                             started = time.perf_counter()
-                            rows = run_set(client, chosen, config.k, temperature, batch, args.max_new_tokens)
+                            rows = run_set(
+                                client, chosen, config.k, temperature, batch, args.max_new_tokens, not args.unseeded
+                            )
                             wall = time.perf_counter() - started
                             results[(config.name, temperature, batch, label)] = (rows, wall)
                             print(f"{config.name} T={temperature} B={batch} {label}: {wall:.1f}s", flush=True)
@@ -239,6 +252,7 @@ def main() -> None:
         "device": args.device,
         "target_model": args.target_model,
         "max_new_tokens": str(args.max_new_tokens),
+        "sampled_seeds": "none" if args.unseeded else "per request",
     }
     path = write_results(args.name, env, out, text)
     print(f"wrote {path}")

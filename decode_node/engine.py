@@ -362,7 +362,12 @@ class DecodeEngine:
             finally:
                 for model, state in states:
                     model.release(state)
-        log.info("adaptive K step costs: verify %s, draft depth %.2f", self.costs.verify, self.costs.depth)
+        log.info(
+            "adaptive K step costs: verify %s, draft depth %.2f, K = 0 read back %.2f",
+            self.costs.verify,
+            self.costs.depth,
+            self.costs.sync,
+        )
         return self.costs
 
     # -- the loop ---------------------------------------------------------------------
@@ -613,14 +618,15 @@ class DecodeEngine:
         )
 
     def _lookup_hit(self, request: Request) -> bool:
-        """Whether the context as it is now has a prompt-lookup match that adaptive K would draft."""
+        """Whether the context as it is now has a prompt-lookup match that adaptive K would draft,
+        and, with async scheduling, one worth the wait for the token in flight (`pays_to_wait`)."""
         cap = request.input.num_speculative_tokens
         matched, _ = request.lookup.match(cap)
         if request.spec is None:
             return bool(matched)
         k = request.spec.choose(LOOKUP, len(matched), self.costs) if matched else 0
         request.gain = request.spec.expected(LOOKUP, k)
-        return k > 0
+        return k > 0 and (not self.pipelined or request.spec.pays_to_wait(LOOKUP, k, self.costs))
 
     def _launch(self, requests: list[Request]) -> None:
         """Queue a K = 0 step for `requests` (async scheduling), then read the step before it.

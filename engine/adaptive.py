@@ -29,15 +29,17 @@ QUEUED = 8  # K = 0 steps queued back to back when timing a pipelined K = 0 step
 
 @dataclass(frozen=True)
 class StepCosts:
-    """What a step costs, in K = 0 steps: verify[k] for k drafts per row (verify[0] = 1), and
-    `depth` per draft-model depth (prompt lookup drafts for free)."""
+    """What a step costs, in K = 0 steps: verify[k] for k drafts per row (verify[0] = 1),
+    `depth` per draft-model depth (prompt lookup drafts for free), and `sync`, a K = 0 step
+    read back before the next is queued (1 without async scheduling, where every step is)."""
 
     verify: tuple[float, ...]
     depth: float = 0.0
+    sync: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.verify or any(c <= 0 for c in self.verify) or self.depth < 0:
-            raise ValueError(f"step costs: expected positive verify costs and depth >= 0, got {self}")
+        if not self.verify or any(c <= 0 for c in self.verify) or self.depth < 0 or self.sync < 1:
+            raise ValueError(f"step costs: expected positive verify costs, depth >= 0 and sync >= 1, got {self}")
 
     def of(self, k: int, drafted: bool) -> float:
         verify = self.verify[min(k, len(self.verify) - 1)]
@@ -73,7 +75,7 @@ class StepCosts:
         verify = [1.0] + [max(1.0, t / base) for t in step[1:]]
         for k in range(2, len(verify)):
             verify[k] = max(verify[k], verify[k - 1])
-        return cls(tuple(verify), depth)
+        return cls(tuple(verify), depth, max(1.0, step[0] / base))
 
 
 class AdaptiveK:
@@ -120,6 +122,16 @@ class AdaptiveK:
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
+
+    def pays_to_wait(self, source: str, k: int, costs: StepCosts) -> bool:
+        """With async scheduling: whether a row that could draft `k` from `source` after the step
+        in flight should make the step after it wait for that step's token (the proposal needs
+        it). The wait pays off only if that token continues the match, about as likely as a
+        first draft's acceptance (a_0); otherwise the row has paid a K = 0 step read back
+        (`costs.sync`) for one token. Measured in tokens minus K = 0 steps."""
+        a = self.rates(source)[0]
+        surplus = self.expected(source, k) - costs.of(k, source == "draft")
+        return a * surplus > (1 - a) * (costs.sync - 1)
 
     def observe(self, source: str | None, depth: int, accepted: int) -> None:
         """One step: `depth` drafts proposed by `source` (None: none), the first `accepted` accepted.

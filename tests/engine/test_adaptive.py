@@ -231,6 +231,8 @@ def test_measure_against_queued_k0_steps(monkeypatch):
     base = 1.0 + 0.8 / adaptive.QUEUED
     assert costs.verify == pytest.approx((1.0, 2.2 / base, 2.4 / base))
     assert costs.depth == pytest.approx(0.5 / base)
+    assert costs.sync == pytest.approx(2.0 / base)  # a K = 0 step read back
+    assert StepCosts.measure(verify_step, None, 2).sync == 1.0  # no async scheduling: every step is read back
 
 
 def test_measure_with_busy_work():
@@ -337,3 +339,41 @@ def test_the_slower_kind_is_probed_at_a_bounded_cost_and_the_times_follow_it():
     assert gate.allows(8, 12.0)
     plain_probes = [not gate.allows(8, 12.0) for _ in range(2 * (BatchGate.PROBE_EVERY + BatchGate.PROBE_STEPS))]
     assert plain_probes.count(True) == 2 * BatchGate.PROBE_STEPS  # the slower K = 0 is probed every PROBE_EVERY
+
+
+# -- waiting for the token in flight (async scheduling) ---------------------------------------
+
+
+def spec_with(rate: float, steps: int = 40) -> AdaptiveK:
+    """A request whose prompt-lookup drafts were accepted at `rate` per position, steady."""
+    spec = AdaptiveK(4)
+    rng = random.Random(3)
+    for _ in range(steps):
+        accepted = 0
+        while accepted < 4 and rng.random() < rate:
+            accepted += 1
+        spec.observe("lookup", 4, accepted)
+    return spec
+
+
+def test_waiting_pays_only_when_the_match_is_likely_to_hold():
+    """E(k) - cost(k) tokens gained if the token in flight continues the match (chance a_0),
+    (sync - 1) lost otherwise: a row whose drafts are mostly accepted waits, one whose drafts
+    are rejected as often as not does not, though both would draft once there (choose > 0)."""
+    costs = StepCosts((1.0, 1.2, 1.3, 1.4, 1.5), sync=1.6)
+    strong, weak = spec_with(0.9), spec_with(0.55)
+    for spec in (strong, weak):
+        assert spec.choose("lookup", 4, costs) > 0
+    assert strong.pays_to_wait("lookup", strong.choose("lookup", 4, costs), costs)
+    k = weak.choose("lookup", 4, costs)
+    a = weak.rates("lookup")[0]
+    assert a * (weak.expected("lookup", k) - costs.of(k, False)) < (1 - a) * 0.6  # the rule, by hand
+    assert not weak.pays_to_wait("lookup", k, costs)
+    # Without async scheduling (sync = 1) nothing is lost by waiting: any K worth drafting is worth it.
+    flat = StepCosts(costs.verify)
+    assert weak.pays_to_wait("lookup", weak.choose("lookup", 4, flat), flat)
+
+
+def test_sync_below_one_is_refused():
+    with pytest.raises(ValueError, match="sync >= 1"):
+        StepCosts((1.0, 1.2), sync=0.9)
