@@ -584,19 +584,14 @@ class DecodeEngine:
     def _gated(self, requests: list[Request], unread: set[Request], pipelines: bool) -> bool:
         """Whether this step runs at K = 0 (queued, with async scheduling): when every row emits
         one token anyway (`pipelines`), or when the batch gate holds it there. Only a batch of more
-        than one row whose every row's tokens do not depend on K (greedy, or sampled without a
-        seed), with nothing to read back but its token, is gated; its step is then timed for
-        the gate, of either kind."""
+        than one row, past their first steps, with nothing to read back but their tokens, is
+        gated; its step is then timed for the gate, of either kind. A row's tokens never depend on
+        the gate's choice: prompt lookup proposes point masses, verified by coupling (seeded
+        sampled rows draw what they would at K = 0)."""
         gateable = (
             self.gate is not None
             and len(requests) > 1
-            and all(
-                (r.plain or r.spec is not None)
-                and not r.first_step
-                and not r.input.logprobs
-                and (r.params.is_greedy or r.params.seed is None)
-                for r in requests
-            )
+            and all((r.plain or r.spec is not None) and not r.first_step and not r.input.logprobs for r in requests)
         )
         if not gateable:
             return pipelines
@@ -657,6 +652,7 @@ class DecodeEngine:
             torch.stack(logits).to(self.verifier.device),
             [r.input.params for r in requests],
             [r.rng for r in requests],
+            [len(r.history) + (r in carried) for r in requests],  # a carried row's token is still unread
         )
         sampled = result.output_token_ids[:, 0].to(torch.int64)  # [B]: K = 0 emits one token per row
         # its own stream: not behind a KV export's copies (a prefill node in the same process)
@@ -694,6 +690,9 @@ class DecodeEngine:
         """One rejection-sampling launch for the batch: each row's (emitted tokens, accepted
         nodes, do_sample)."""
         params, rngs = [r.input.params for r in requests], [r.rng for r in requests]
+        # Point-mass proposals (and none) verify by coupling: each token is the one a K = 0 step
+        # would draw at its position, so a seeded row's tokens do not depend on K.
+        positions = [len(r.history) if p.probs is None else None for r, p in zip(requests, proposals, strict=True)]
         device = self.verifier.device
         sizes = {len(p.token_ids) for p in proposals}
         point_mass = [p.probs is None for p in proposals]
@@ -701,7 +700,7 @@ class DecodeEngine:
             k = sizes.pop()  # the common case: chains of one K and one law -> the chain kernel
             draft_ids = torch.tensor([p.token_ids for p in proposals], dtype=torch.int64).view(len(proposals), k)
             probs = None if point_mass[0] else torch.stack([p.probs for p in proposals]).to(device)
-            result = self.verifier.verify(draft_ids, probs, torch.stack(logits).to(device), params, rngs)
+            result = self.verifier.verify(draft_ids, probs, torch.stack(logits).to(device), params, rngs, positions)
             self._deliver()  # the GPU has the step: the streams take the GIL while the host waits
             emitted, _ = result.host()
             paths = [list(range(len(e) - 1)) for e in emitted]
@@ -724,7 +723,7 @@ class DecodeEngine:
                     if p.probs is not None and p.token_ids:
                         probs[b, : len(p.token_ids)] = p.probs
             result = self.verifier.verify_tree(
-                draft_ids, parents, [len(p.token_ids) for p in proposals], probs, target_logits, params, rngs
+                draft_ids, parents, [len(p.token_ids) for p in proposals], probs, target_logits, params, rngs, positions
             )
             self._deliver()
             emitted, paths = result.host()

@@ -12,7 +12,8 @@ too), so a request whose drafts stopped paying probes again after a while, and o
 turns repetitive finds out. The choice reads only the request's own history and a cost table
 fixed when the node starts, so a seeded request draws the same tokens whatever else runs
 beside it; and since K depends only on the past, never on the step's uniforms, the verifier's
-output law is unchanged.
+output law is unchanged. Point-mass proposals (prompt lookup) go further: verified by coupling
+(sampling/verifier.py), a seeded request draws the tokens it would at K = 0, whatever K is.
 """
 
 from __future__ import annotations
@@ -160,8 +161,8 @@ class BatchGate:
     runs `PROBE_STEPS` of the other kind, so a change in either time is seen. A step right
     after one of the other kind is not timed: the first queued K = 0 step also reads nothing
     yet, and the first speculating one waits for the K = 0 step still in flight. The engine
-    gates only rows whose tokens do not depend on K (greedy, or sampled without a seed): a
-    seeded row's tokens may not depend on what else is in the batch."""
+    gates only rows whose tokens do not depend on K (point-mass proposals verified by coupling,
+    sampling/verifier.py): a seeded row's tokens may not depend on what else is in the batch."""
 
     PROBE_EVERY = 64  # steps between probes of the other kind, at least
     PROBE_STEPS = 3

@@ -4,6 +4,12 @@ Each request owns a CPU `torch.Generator`; a step draws its uniforms from it in 
 order, so a seeded request yields the same tokens alone or anywhere in a batch of any
 size, on any device. Uniforms are drawn on the CPU (a handful per row per step) and
 moved to the batch's device once.
+
+Besides the stream, a request has one uniform per sequence position (`RequestRng.at`):
+SplitMix64 (Steele, Lea and Flood, 2014) evaluated at the position, keyed by the seed. A
+token drawn with its position's uniform does not depend on how many uniforms earlier
+steps consumed, which is what makes a point-mass proposal's verification independent of
+K (sampling/verifier.py).
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import torch
 
 from sampling.transfer import to_device
 
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment, the golden ratio in 64 bits
+_MASK = (1 << 64) - 1
+
 
 class RequestRng:
     """`stream` separates independent streams of one seed (the prefill and the decode node
@@ -25,10 +34,25 @@ class RequestRng:
         self.seed = secrets.randbits(63) if seed is None else seed
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(_derive(self.seed, stream) if stream else self.seed)
+        self._key = _derive(self.seed, f"{stream}/position")
 
     def uniforms(self, n: int) -> torch.Tensor:
         """[n] float32 in [0, 1)."""
         return torch.rand(n, generator=self._generator, dtype=torch.float32)
+
+    def at(self, start: int, n: int) -> list[float]:
+        """The n uniforms (float32 values in [0, 1)) of positions start..start+n-1; they do not
+        depend on anything drawn before, from the stream or at other positions."""
+        return [_splitmix64(self._key, p) for p in range(start, start + n)]
+
+
+def _splitmix64(key: int, position: int) -> float:
+    """SplitMix64's output number `position` + 1 from state `key`, as its top 24 bits over
+    2**24: a float32 in [0, 1), exactly."""
+    z = (key + (position + 1) * _GAMMA) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return ((z ^ (z >> 31)) >> 40) / (1 << 24)
 
 
 def _derive(seed: int, stream: str) -> int:

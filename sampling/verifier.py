@@ -9,6 +9,17 @@ draws 2*(N+1) the same way: its node n tests with rejection uniform n, and the r
 draw after the children of a node are all rejected uses uniform (its last child + 1) —
 for a chain exactly the chain's rule, and in a breadth-first layout never a uniform the
 walk has used (every node the walk tests precedes that index, every later one is untested).
+
+Coupled rows (`positions`): a sampled row whose proposal is a point mass may be verified by
+coupling instead. Its target tokens are drawn with the uniforms of their sequence positions
+(`RequestRng.at`), and a draft is accepted iff it equals the target token drawn there — the
+greedy rule applied to sampled tokens. A draft d is then accepted with probability q(d), as by
+the rejection test, and at the first mismatch the token emitted is the target's own draw,
+distributed as q given that it is not d, which is the residual: the output law is q's. Every
+token such a row emits is the one a K = 0 step at its position would draw, so a seeded
+request's tokens do not depend on K, nor on whether a step drafted at all. The row draws
+nothing from its stream. Only a point-mass proposal may be coupled: a stochastic draft law is
+not what the greedy rule tests.
 """
 
 from __future__ import annotations
@@ -94,13 +105,21 @@ class Verifier:
         target_logits: torch.Tensor,  # [B, K+1, Vt]
         params: Sequence[SamplingParams],
         rngs: Sequence[RequestRng],
+        positions: Sequence[int | None] | None = None,
     ) -> VerifyResult:
+        """positions[b]: the sequence position of row b's first target token, for a row verified
+        by coupling (its proposal must be a point mass); None for a row that is not."""
         batch, k = draft_token_ids.shape
         if len(params) != batch or len(rngs) != batch:
             raise ValueError(f"params/rngs: expected {batch} entries each, got {len(params)} and {len(rngs)}")
         rows = SamplingTensors.from_params(params, self.device)
-        sampled = [not p.is_greedy for p in params]
-        uniforms = batch_uniforms(rngs, 2 * (k + 1), self.device, sampled)  # [B, 2(K+1)], greedy rows 0
+        coupled = _coupled(params, positions, batch)
+        sampled = [not p.is_greedy and not c for p, c in zip(params, coupled, strict=True)]
+        uniforms = batch_uniforms(rngs, 2 * (k + 1), "cpu" if any(coupled) else self.device, sampled)
+        if any(coupled):  # [B, 2(K+1)]: greedy rows 0, coupled rows their positions' then 0
+            for b in (b for b, c in enumerate(coupled) if c):
+                uniforms[b, : k + 1] = torch.tensor(rngs[b].at(positions[b], k + 1))
+            uniforms = to_device(uniforms, self.device)
         target = sample_target(target_logits, rows, uniforms[:, : k + 1])
         output, emitted = self.sampler(
             to_device(draft_token_ids, self.device),
@@ -108,7 +127,7 @@ class Verifier:
             target.probs,
             target.token_ids,
             uniforms[:, k + 1 :].contiguous(),
-            rows.do_sample,
+            _tested(rows, coupled, self.device),
         )
         accepted = emitted.long() - 1
         stats = StepStats(
@@ -128,16 +147,28 @@ class Verifier:
         target_logits: torch.Tensor,  # [B, N+1, Vt]: after the last token, then after each node
         params: Sequence[SamplingParams],
         rngs: Sequence[RequestRng],
+        positions: Sequence[int | None] | None = None,
     ) -> VerifyResult:
-        """Candidate trees (engine/proposer.py's layout): one launch for the batch, mixed sizes."""
+        """Candidate trees (engine/proposer.py's layout): one launch for the batch, mixed sizes.
+        `positions` as for `verify`; a coupled row's context at depth d draws with the uniform
+        of position positions[b] + d (siblings share it: only one of them is ever emitted)."""
         batch, n = draft_token_ids.shape
         if not len(params) == len(rngs) == len(num_nodes) == batch:
             raise ValueError(f"params/rngs/num_nodes: expected {batch} entries each")
         rows = SamplingTensors.from_params(params, self.device)
+        coupled = _coupled(params, positions, batch)
         uniforms = torch.zeros(batch, 2 * (n + 1))  # [B, 2(N+1)]; row b uses 2(N_b+1) of them
+        host_parents = parents.tolist() if any(coupled) else []
         for b, (rng, nodes, p) in enumerate(zip(rngs, num_nodes, params, strict=True)):
             if p.is_greedy:
                 continue  # argmaxes read no uniform: a greedy row draws none (left 0)
+            if coupled[b]:
+                depths = [0]  # of each context: the root, then after each node
+                for parent in host_parents[b][:nodes]:
+                    depths.append(depths[parent + 1] + 1)
+                drawn = rng.at(positions[b], max(depths) + 1)
+                uniforms[b, : nodes + 1] = torch.tensor([drawn[d] for d in depths])
+                continue
             drawn = rng.uniforms(2 * (nodes + 1))
             uniforms[b, : nodes + 1], uniforms[b, n + 1 : n + 2 + nodes] = drawn[: nodes + 1], drawn[nodes + 1 :]
         # The residual uniform of each context: rejection uniform (its last child + 1).
@@ -158,7 +189,7 @@ class Verifier:
             target.token_ids,
             rejection[:, :n].contiguous(),
             rejection.gather(1, to_device(recover_index, self.device)),
-            rows.do_sample,
+            _tested(rows, coupled, self.device),
         )
         emitted = result.accepted_token_num
         accepted = emitted.long() - 1
@@ -169,3 +200,20 @@ class Verifier:
             accepted_per_position=torch.arange(n, device=self.device) < accepted[:, None],
         )
         return VerifyResult(result.output_token_ids, emitted, stats, result.accepted_nodes)
+
+
+def _coupled(params: Sequence[SamplingParams], positions: Sequence[int | None] | None, batch: int) -> list[bool]:
+    """Which rows are verified by coupling: sampled rows given a position."""
+    if positions is None:
+        return [False] * batch
+    if len(positions) != batch:
+        raise ValueError(f"positions: expected {batch} entries, got {len(positions)}")
+    return [not p.is_greedy and at is not None for p, at in zip(params, positions, strict=True)]
+
+
+def _tested(rows: SamplingTensors, coupled: list[bool], device: torch.device) -> torch.Tensor:
+    """[B] bool: the rows the rejection test decides (do_sample but not coupled); a coupled row
+    takes the greedy rule."""
+    if not any(coupled):
+        return rows.do_sample
+    return rows.do_sample & ~device_tensor(coupled, torch.bool, device)

@@ -165,23 +165,41 @@ def test_prompt_lookup_rows_pipeline_while_they_cannot_draft_and_match_the_synch
 
 @pytest.mark.parametrize("scheduling", ["on", "off"])
 def test_the_batch_gate_holds_rows_whose_tokens_do_not_depend_on_k(pair, scheduling):
-    """Where the node measured K = 0 steps as faster at a batch size, a batch of greedy or
-    unseeded rows runs at K = 0 (queued, with async scheduling) and greedy rows still emit
-    the K = 0 tokens; one seeded sampled row in the batch lets every row speculate, and its
-    tokens are those of an engine that never gates."""
+    """Where the node measured K = 0 steps as faster at a batch size, a batch of prompt-lookup
+    rows runs at K = 0 (queued, with async scheduling), seeded sampled rows included: verified
+    by coupling, every row emits the tokens of an engine that never gates."""
     repeated = pdspec_pb2.GenerateRequest(prompt_token_ids=[*range(3, 12), *range(3, 12)], num_speculative_tokens=4)
     repeated.sampling.max_new_tokens = 30
-    greedy = [repeated, request(5, k=4, max_new=30)]
-    held = run(pair, greedy, scheduling, method="prompt-lookup", gate="plain-faster")
-    assert sum(s.prompt_lookup_tokens for s in run.stats) == 0  # every step after the first held
-    if scheduling == "on":
-        assert run.pipelined > 0
-    free = run(pair, greedy, scheduling, method="prompt-lookup")
-    assert held == free and run.stats[0].prompt_lookup_tokens > 0  # ungated, the repeated prompt drafts
-    seeded = [repeated, request(7, k=4, seed=2, max_new=30)]
-    gated = run(pair, seeded, scheduling, method="prompt-lookup", gate="plain-faster")
-    assert run.stats[0].prompt_lookup_tokens > 0
-    assert gated == run(pair, seeded, scheduling, method="prompt-lookup")
+    for batch in ([repeated, request(5, k=4, max_new=30)], [repeated, request(7, k=4, seed=2, max_new=30)]):
+        held = run(pair, batch, scheduling, method="prompt-lookup", gate="plain-faster")
+        assert sum(s.prompt_lookup_tokens for s in run.stats) == 0  # every step after the first held
+        if scheduling == "on":
+            assert run.pipelined > 0
+        free = run(pair, batch, scheduling, method="prompt-lookup")
+        assert held == free and run.stats[0].prompt_lookup_tokens > 0  # ungated, the repeated prompt drafts
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_seeded_sampled_prompt_lookup_draws_the_k0_tokens(pair, scheduling):
+    """A seeded sampled request emits the same tokens whatever K prompt lookup drafts (coupling):
+    as at K = 0, for a repetitive prompt whose drafts are often accepted and often rejected."""
+    prompts = [[*range(3, 12), *range(3, 12)], [*range(3, 9)] * 4, list(range(3, 20))]
+    drafted_tokens = accepted = 0
+    for seed in range(4):
+        batch = []
+        for prompt in prompts:
+            req = pdspec_pb2.GenerateRequest(prompt_token_ids=prompt, num_speculative_tokens=4)
+            req.sampling.do_sample, req.sampling.temperature, req.sampling.seed = True, 0.3, seed
+            req.sampling.max_new_tokens = 30
+            batch.append(req)
+        drafted = run(pair, batch, scheduling, method="prompt-lookup")
+        stats = run.stats
+        for req in batch:
+            req.num_speculative_tokens = 0
+        assert drafted == run(pair, batch, scheduling, method="prompt-lookup")
+        drafted_tokens += sum(s.prompt_lookup_tokens for s in stats)
+        accepted += sum(s.accepted_tokens for s in stats)
+    assert drafted_tokens > 20 and 0 < accepted < drafted_tokens  # accepted and rejected drafts both
 
 
 def test_both_nodes_with_async_scheduling_serve_the_synchronous_streams(pair):

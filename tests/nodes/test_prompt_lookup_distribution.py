@@ -54,10 +54,11 @@ def generate_lookup(
     max_new_tokens: int,
     batch: int | None = None,
     verifier: Verifier | None = None,
+    k: int = K,
 ) -> tuple[list[list[int]], Seen]:
     """Token lists (first token included) of one seeded temperature-1 request per seed, both
-    nodes proposing by prompt lookup, adaptive K on at the decode node. `batch`: requests
-    per decode step (default: all at once)."""
+    nodes proposing by prompt lookup, adaptive K on at the decode node, each request's K cap `k`.
+    `batch`: requests per decode step (default: all at once)."""
     seen = Seen()
     prefill = PrefillEngine(pair, PrefillConfig(**LOOKUP))
     decode = DecodeEngine(
@@ -78,7 +79,7 @@ def generate_lookup(
             pdspec_pb2.GenerateRequest(
                 request_id=str(seed),
                 prompt_token_ids=list(prompt),
-                num_speculative_tokens=K,
+                num_speculative_tokens=k,
                 sampling=pdspec_pb2.SamplingParams(
                     do_sample=True, temperature=1.0, seed=seed, max_new_tokens=max_new_tokens
                 ),
@@ -127,10 +128,12 @@ def test_prompt_lookup_with_adaptive_k_keeps_the_targets_law(pair):
 def test_a_seeded_request_draws_the_same_tokens_in_any_batch(pair):
     """Adaptive K reads only the request's own history and the fixed table: 32 seeded requests
     of 20 tokens, one per step (the chain kernel) or all in each step (mixed lengths: the tree
-    kernel), draw the same tokens."""
+    kernel), draw the same tokens: those of K = 0 (point masses are verified by coupling)."""
     seeds = range(32)
     alone, _ = generate_lookup(pair, PROMPT, seeds, max_new_tokens=20, batch=1)
     together, seen = generate_lookup(pair, PROMPT, seeds, max_new_tokens=20)
     assert together == alone
-    assert all(len(out) == 20 for out in alone)
-    assert sum(count for k, count in seen.chosen_k.items() if k) > 32  # drafted steps, not all K = 0
+    assert sum(len(out) == 20 for out in alone) > 24  # most run to the length limit (some sample the end)
+    assert sum(count for k, count in seen.chosen_k.items() if k) > 16  # drafted steps, not all K = 0
+    plain, _ = generate_lookup(pair, PROMPT, seeds, max_new_tokens=20, k=0)
+    assert plain == alone

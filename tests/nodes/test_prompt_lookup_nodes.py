@@ -95,9 +95,10 @@ def test_a_repetitive_prompt_is_drafted_by_prompt_lookup(lookup_nodes):
 
 
 def test_sampled_seeded_requests_are_reproducible_alone_or_together(lookup_nodes):
-    """K depends on the request's own history and a fixed cost table: the same tokens one at a
-    time and concurrently (batched where they overlap; tests/nodes/test_prompt_lookup_distribution.py
-    checks a batch of them step by step)."""
+    """The same tokens one at a time and concurrently (batched where they overlap;
+    tests/nodes/test_prompt_lookup_distribution.py checks a batch of them step by step). The K
+    chosen may differ, the batch gate deciding batched steps; point masses verified by coupling
+    make the tokens those of K = 0 whatever K was."""
     _, client, _, decode = lookup_nodes
     kwargs = dict(max_new_tokens=40, num_speculative_tokens=K, temperature=1.0)
     alone = [client.generate(p, seed=seed, **kwargs) for seed, p in enumerate(PROMPTS)]
@@ -115,7 +116,10 @@ def test_sampled_seeded_requests_are_reproducible_alone_or_together(lookup_nodes
     for thread in threads:
         thread.join(timeout=60)
     assert [out.token_ids for out in together] == [out.token_ids for out in alone]
-    assert [list(out.stats.chosen_k) for out in together] == [list(out.stats.chosen_k) for out in alone]
+    assert [out.token_ids for out in alone] == [
+        client.generate(p, seed=seed, **{**kwargs, "num_speculative_tokens": 0}).token_ids
+        for seed, p in enumerate(PROMPTS)
+    ]
     assert decode.engine.load == 0
 
 

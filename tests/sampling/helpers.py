@@ -48,13 +48,17 @@ def random_inputs(
 
 
 def biased_rejection_sample(draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample):
-    """A WRONG sampler: equal draft/target ids bypass the u*p < q test on stochastic rows.
+    """A WRONG sampler: equal draft/target ids bypass the u*p < q test on stochastic rows, and
+    rows under the greedy rule (greedy, or point masses verified by coupling) accept their
+    first draft whatever the target drew.
 
     Kept so the statistical tests prove they can detect a biased sampler.
     """
     accepted = acceptance_mask(draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample)
     k = draft_token_ids.shape[1]
     accepted |= do_sample[:, None] & (target_token_ids[:, :k].long() == draft_token_ids.long())
+    if k:
+        accepted[:, 0] |= ~do_sample
     return emit_tokens(
         accepted, draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample
     )
