@@ -584,21 +584,36 @@ class DecodeEngine:
     def _gated(self, requests: list[Request], unread: set[Request], pipelines: bool) -> bool:
         """Whether this step runs at K = 0 (queued, with async scheduling): when every row emits
         one token anyway (`pipelines`), or when the batch gate holds it there. Only a batch of more
-        than one row, past their first steps, with nothing to read back but their tokens, is
-        gated; its step is then timed for the gate, of either kind. A row's tokens never depend on
-        the gate's choice: prompt lookup proposes point masses, verified by coupling (seeded
-        sampled rows draw what they would at K = 0)."""
+        than one row with nothing to read back but their tokens is gated; its step is then timed
+        for the gate, of either kind. A row's tokens never depend on the gate's choice: prompt
+        lookup proposes point masses, verified by coupling (seeded sampled rows draw what they
+        would at K = 0). A row on its first step is held by dropping the prefill's proposal (a
+        point mass too): else every request that joins a large batch would make one step of the
+        whole batch speculate."""
         gateable = (
             self.gate is not None
             and len(requests) > 1
-            and all((r.plain or r.spec is not None) and not r.first_step and not r.input.logprobs for r in requests)
+            and all(
+                (r.plain or r.spec is not None)
+                and not r.input.logprobs
+                and (not r.first_step or r.input.draft_probs is None)
+                for r in requests
+            )
         )
         if not gateable:
             return pipelines
-        expected = sum(1.0 if r.plain or self._lookup_idle(r, r in unread) else r.gain for r in requests)
+        expected = sum(self._gain(r, r in unread) for r in requests)
         plain = pipelines or not self.gate.allows(len(requests), expected)
         self._step_kind = (len(requests), not plain)
         return plain
+
+    def _gain(self, request: Request, in_flight: bool) -> float:
+        """The tokens a row expects from this step if the batch speculates."""
+        if request.plain:
+            return 1.0
+        if request.first_step:  # the prefill's proposal, at the acceptance the row has shown (its prior)
+            return request.spec.expected(LOOKUP, len(request.input.draft_token_ids))
+        return 1.0 if self._lookup_idle(request, in_flight) else request.gain
 
     def _lookup_idle(self, request: Request, in_flight: bool = False) -> bool:
         """A prompt-lookup row whose next step cannot draft, past its first step. The context after
@@ -738,6 +753,8 @@ class DecodeEngine:
         for i, request in enumerate(requests):
             if request.first_step:
                 request.first_step = False
+                if self._holding:
+                    continue  # the batch gate holds the step at K = 0 (`_gated`)
                 data = request.input
                 probs = None if data.draft_probs is None else to_device(data.draft_probs, self.config.device)
                 ids = data.draft_token_ids.tolist()

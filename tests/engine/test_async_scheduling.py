@@ -166,13 +166,15 @@ def test_prompt_lookup_rows_pipeline_while_they_cannot_draft_and_match_the_synch
 @pytest.mark.parametrize("scheduling", ["on", "off"])
 def test_the_batch_gate_holds_rows_whose_tokens_do_not_depend_on_k(pair, scheduling):
     """Where the node measured K = 0 steps as faster at a batch size, a batch of prompt-lookup
-    rows runs at K = 0 (queued, with async scheduling), seeded sampled rows included: verified
-    by coupling, every row emits the tokens of an engine that never gates."""
-    repeated = pdspec_pb2.GenerateRequest(prompt_token_ids=[*range(3, 12), *range(3, 12)], num_speculative_tokens=4)
+    rows runs at K = 0 (queued, with async scheduling), seeded sampled rows included and the
+    prefill's proposals dropped: verified by coupling, every row emits the tokens of an engine
+    that never gates."""
+    twice = [*range(3, 12), *range(3, 12)]  # greedy, the target continues it with 2: the prefill ships 3, 4, 5, 6
+    repeated = pdspec_pb2.GenerateRequest(prompt_token_ids=[*twice, 2, *twice], num_speculative_tokens=4)
     repeated.sampling.max_new_tokens = 30
     for batch in ([repeated, request(5, k=4, max_new=30)], [repeated, request(7, k=4, seed=2, max_new=30)]):
         held = run(pair, batch, scheduling, method="prompt-lookup", gate="plain-faster")
-        assert sum(s.prompt_lookup_tokens for s in run.stats) == 0  # every step after the first held
+        assert sum(s.verify_steps for s in run.stats) == 0  # every step held, the first (the prefill's proposal) too
         if scheduling == "on":
             assert run.pipelined > 0
         free = run(pair, batch, scheduling, method="prompt-lookup")
