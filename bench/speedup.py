@@ -119,6 +119,13 @@ def run_set(
         return list(pool.map(one, range(len(prompts))))
 
 
+def diverges_at(tokens: list[int], base: list[int]) -> int | None:
+    """The index of the first token where `tokens` differs from `base` (None: equal)."""
+    if tokens == base:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(tokens, base, strict=False)) if a != b), min(len(tokens), len(base)))
+
+
 def summarise(rows: list[dict], wall: float) -> dict:
     """One group of prompts, run in `wall` seconds."""
     tokens = sum(len(r["token_ids"]) for r in rows)
@@ -219,6 +226,8 @@ def main() -> None:
                     same = None
                     if temperature == 0 or not args.unseeded:
                         same = sum(r["token_ids"] == q["token_ids"] for r, q in zip(rows, base, strict=True))
+                        for r, q in zip(rows, base, strict=True):  # where an output first leaves K = 0's
+                            r["diverges_at"] = diverges_at(r["token_ids"], q["token_ids"])
                     row = {
                         "config": config.name,
                         "temperature": temperature,
