@@ -117,8 +117,8 @@ class Verifier:
         sampled = [not p.is_greedy and not c for p, c in zip(params, coupled, strict=True)]
         uniforms = batch_uniforms(rngs, 2 * (k + 1), "cpu" if any(coupled) else self.device, sampled)
         if any(coupled):  # [B, 2(K+1)]: greedy rows 0, coupled rows their positions' then 0
-            for b in (b for b, c in enumerate(coupled) if c):
-                uniforms[b, : k + 1] = torch.tensor(rngs[b].at(positions[b], k + 1))
+            at = [b for b, c in enumerate(coupled) if c]
+            uniforms[at, : k + 1] = torch.tensor([rngs[b].at(positions[b], k + 1) for b in at])
             uniforms = to_device(uniforms, self.device)
         target = sample_target(target_logits, rows, uniforms[:, : k + 1])
         output, emitted = self.sampler(
@@ -127,7 +127,7 @@ class Verifier:
             target.probs,
             target.token_ids,
             uniforms[:, k + 1 :].contiguous(),
-            _tested(rows, coupled, self.device),
+            _tested(rows, coupled, self.device) if k else rows.do_sample,  # K = 0 tests nothing: no copy
         )
         accepted = emitted.long() - 1
         stats = StepStats(
