@@ -1,16 +1,15 @@
-"""The decode engine: continuous batching of speculative decoding, no gRPC inside.
+"""The decode engine: a continuous-batching scheduler over sequences, no gRPC inside.
 
-Each request arrives validated (`protos.validation.DecodeInput`): prompt, first token,
-the prefill's proposal (a chain of K drafts or a candidate tree) and the KV state, or,
-streamed (DecodeStream, shared memory), the KV after it: such a request's target KV is
-reserved in arrival order, the servicer writes the bytes straight into it, and the request
-is admitted once they are all in. Every engine step, for all active requests at once: the
-proposer (engine/proposer.py: the draft model, prompt lookup or both) proposes up to the
-K each request's running acceptance pays for (engine/adaptive.py; on a request's first
-step the prefill's proposal is verified instead), ONE target forward scores [last,
-nodes...] of every row with tree attention, and ONE rejection-sampling launch verifies
-every row (chains of one K and one law take the chain kernel, anything mixed the tree
-kernel). Emitted tokens go to the request's event queue; the servicer streams them.
+Each request arrives validated (`protos.validation.DecodeInput`) and becomes a `Sequence`
+(engine/sequence.py: prompt + the prefill's first token, budget, stop rule, K, generator,
+the proposal it came with). Its KV came in the message or arrives after it (DecodeStream,
+shared memory): such a request's target KV is reserved in arrival order, the servicer writes
+the bytes straight into it, and the request is admitted once they are all in. Each engine
+step admits what fits (slots and KV blocks), then runs one step for every active sequence:
+the speculative step of engine/spec_step.py (propose up to the K each sequence's running
+acceptance pays for, engine/adaptive.py; verify in one target forward and one
+rejection-sampling launch; keep the accepted path), or, with async scheduling, a queued K = 0
+step. Emitted tokens go to the request's event queue; the servicer streams them.
 
 Async scheduling (`DecodeConfig.async_scheduling`; on a GPU by default): a step whose rows all
 decode without speculation (K = 0, no logprobs) is queued on the device before the step
@@ -18,13 +17,8 @@ before it is read. Its input tokens are that step's sampled tokens, still on the
 positions and KV slots are known without them (every row gains exactly one token). So the
 host builds step n+1 while the GPU runs step n, and reads step n only then. A row that
 finished in step n (end of sequence, a stop token, a cancel) also ran in step n+1: that token
-is dropped, and its KV is freed once step n+1 is read. A step with a speculating row waits for
-the step before it (`_drain`), then runs as before.
-
-Token bookkeeping per request: `history` = prompt + every emitted token. The target
-has consumed all of history but its last token; the draft has consumed a prefix of
-history and catches up before it proposes. The accepted path of a tree becomes history
-in both models (`accept_tree` moves its KV into line); the other nodes are dropped.
+is dropped, and its KV is freed once step n+1 is read. A speculating step waits for the step
+before it (`_drain`).
 """
 
 from __future__ import annotations
@@ -33,33 +27,23 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
+from engine import spec_step
 from engine.adaptive import QUEUED, AdaptiveK, BatchGate, StepCosts
 from engine.device import on_device
 from engine.prompt_lookup import ContextIndex, check_lookup_range
-from engine.proposer import (
-    DRAFT,
-    LOOKUP,
-    NO_PROPOSAL,
-    PREFILL,
-    SPECULATIVE_METHODS,
-    Proposal,
-    Proposer,
-    check_tree_limits,
-)
-from models.base import State, import_tensors
+from engine.proposer import DRAFT, LOOKUP, PREFILL, SPECULATIVE_METHODS, Plan, Proposal, Proposer, check_tree_limits
+from engine.sequence import Sequence, Stats
+from models.base import import_tensors
 from models.kv_import import Buffer
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
-from pdspec.stopping import finish_reason
 from protos.validation import DecodeInput
 from sampling import RequestRng, SamplingParams, Verifier
-from sampling.logprobs import TokenLogprob, token_logprobs
+from sampling.logprobs import TokenLogprob
 from sampling.proposal import DraftLaw
 from sampling.transfer import HostCopy, to_device, to_host_async
 from sampling.tree import MAX_TREE_NODES
@@ -120,18 +104,6 @@ class QueueFull(Exception):
     """The engine holds max_batch + max_queue requests already."""
 
 
-@dataclass
-class Stats:
-    verify_steps: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0  # accepted DRAFT tokens
-    accepted_per_position: list[int] = field(default_factory=list)  # by depth
-    accepted_per_rank: list[int] = field(default_factory=list)  # by rank among siblings
-    chosen_k: list[int] = field(default_factory=list)  # this node's steps by the K chosen for them
-    method: str = ""  # the speculative method
-    prompt_lookup_tokens: int = 0  # draft tokens prompt lookup proposed
-
-
 @dataclass(frozen=True)
 class Event:
     tokens: list[int]
@@ -144,45 +116,21 @@ class Event:
 
 @dataclass(eq=False)
 class Request:
-    """One in-flight request; the servicer reads `events` and may call engine.cancel."""
+    """One in-flight request: the servicer's handle (it reads `events` and may call
+    engine.cancel) on the engine's sequence."""
 
     input: DecodeInput
+    seq: Sequence
+    kv_need: int  # KV positions it may ever occupy, reserved at admission: it never waits mid-stream
     # one put per request per step, by the engine thread: SimpleQueue's is C, with no Condition to notify
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
-    # Streamed: the KV is not in `input`; the servicer writes it into target_state once
+    # Streamed: the KV is not in `input`; the servicer writes it into seq.target_state once
     # `reserved` is set (DecodeEngine.import_chunk), then calls DecodeEngine.imported.
     streamed: bool = False
     reserved: threading.Event = field(default_factory=threading.Event)
     imported: bool = False
-    # Engine-owned from here on.
-    history: list[int] = field(default_factory=list)
-    target_state: State | None = None
-    draft_state: State | None = None
-    rng: RequestRng | None = None
-    remaining: int = 0  # tokens this node may still emit
-    first_step: bool = True
-    stats: Stats = field(default_factory=Stats)
-    lookup: ContextIndex | None = None  # history, indexed for prompt lookup
-    spec: AdaptiveK | None = None  # its running acceptance and choice of K (adaptive K)
-    plain: bool = False  # K = 0, nothing proposed, no logprobs: one token per step, nothing else read back
-    # Prompt lookup: whether the context had a match worth drafting after the row's last step
-    # (`hit`) and after the one before (`may_draft`). Step t may draft only if the context had
-    # one after step t - 2: that is known before step t - 1 is read, so rows without a match
-    # pipeline like K = 0 rows (async scheduling), by the same rule in either mode.
-    hit: bool = True
-    may_draft: bool = True
-    gain: float = 1.0  # the tokens its next step expects if it drafts (adaptive K's E(K)), for the batch gate
-
-    # What the proposer reads (engine/proposer.Row).
-    @property
-    def params(self) -> SamplingParams:
-        return self.input.params
-
-    @property
-    def candidates(self) -> int:
-        return self.input.draft_candidates
 
 
 @dataclass
@@ -212,20 +160,13 @@ class DecodeEngine:
         # Draft ids were validated at the wire (protos/validation) or come from d2t: no value
         # checks, which would each make the host wait for the step's forward.
         self.verifier = verifier or Verifier(config.sampler_backend, config.device, check_values=False)
-        self.d2t = pair.d2t.to(config.device)
-        self.proposer = Proposer(
-            config.speculative_method,
-            pair.draft,
-            self.d2t,
-            config.draft_law,
-            self.max_draft_candidates > 1,
-            config.max_tree_nodes,
+        self.proposer = Proposer.for_pair(
+            pair, config.speculative_method, config.draft_law, config.max_tree_nodes, config.device
         )
         self.costs = config.step_costs or StepCosts((1.0,) * (config.max_speculative_tokens + 1))
         # Prompt lookup with adaptive K: whether a batch speculates at all, from its measured steps.
         self.gate = BatchGate() if config.adaptive and self.proposer.method == LOOKUP else None
         self._step_kind: tuple[int, bool] | None = None  # (rows, speculated) of a gated step, for the gate
-        self._holding = False  # this step runs at K = 0 (no row drafts)
         self._lock = threading.Condition()
         self._pending: list[Request] = []
         self._active: list[Request] = []
@@ -235,32 +176,68 @@ class DecodeEngine:
         self._thread: threading.Thread | None = None
 
     # -- requests -------------------------------------------------------------------
-    def kv_tokens(self, decode_input: DecodeInput) -> int:
-        """KV positions a request may ever occupy: prompt + every token it may emit + the
-        nodes of its largest proposal + 1 (reserved at admission: it never waits mid-stream)."""
-        budget = decode_input.max_new_tokens or self.config.default_max_new_tokens
-        own = self.proposer.max_nodes(decode_input.num_speculative_tokens, decode_input.draft_candidates)
-        return len(decode_input.prompt_token_ids) + budget + max(len(decode_input.draft_token_ids), own) + 1
+    def sequence(self, decode_input: DecodeInput) -> Sequence:
+        """A request's sequence, every default resolved: prompt + the prefill node's first token,
+        the budget, the stop rule, its K and candidates, its generator and what it drafts with."""
+        config, k = self.config, decode_input.num_speculative_tokens
+        ids = decode_input.draft_token_ids.tolist()
+        parents = decode_input.draft_parents or list(range(-1, len(ids) - 1))
+        received = Proposal(ids, parents, decode_input.draft_probs, PREFILL)  # moved to the device when verified
+        return Sequence(
+            prompt=decode_input.prompt_token_ids,
+            params=decode_input.params,
+            budget=decode_input.max_new_tokens or config.default_max_new_tokens,
+            eos_token_ids=tuple(self.pair.target.eos_token_ids),
+            stop_token_ids=tuple(decode_input.stop_token_ids),
+            rng=RequestRng(decode_input.params.seed, stream="decode"),
+            k=k,
+            candidates=decode_input.draft_candidates,
+            logprobs=decode_input.logprobs,
+            method=config.speculative_method,
+            history=[*decode_input.prompt_token_ids, decode_input.first_token_id],
+            spec=AdaptiveK(k) if config.adaptive and k else None,
+            received=received,
+        )
 
     def submit(self, decode_input: DecodeInput, *, streamed: bool = False) -> Request:
         """Queue a request (QueueFull when it can never fit or the queue is full). `streamed`: its
         KV comes later; its target KV is reserved when its turn comes (at once when nothing waits
         ahead of it), `request.reserved` is set, and the caller writes the bytes (import_chunk)
         and calls imported(), or cancel()."""
-        request = Request(decode_input, streamed=streamed)
-        needed = self.kv_tokens(decode_input)
+        seq = self.sequence(decode_input)
+        request = Request(decode_input, seq, self._kv_need(seq), streamed=streamed)
         for role, model in self._kv_models():
             capacity = model.capacity_tokens()
-            if capacity is not None and needed > capacity:
-                raise QueueFull(f"the request needs {needed} KV positions, the {role} KV cache holds {capacity}")
+            if capacity is not None and request.kv_need > capacity:
+                raise QueueFull(
+                    f"the request needs {request.kv_need} KV positions, the {role} KV cache holds {capacity}"
+                )
         with self._lock:
             if len(self._pending) + len(self._active) >= self.config.max_batch + self.config.max_queue:
                 raise QueueFull(f"{self.config.max_batch} running and {self.config.max_queue} queued")
-            if streamed and all(r.target_state is not None for r in self._pending):
+            if streamed and all(r.seq.target_state is not None for r in self._pending):
                 self._claim(request)  # nothing waits for KV ahead of it: the upload need not wait for a step
             self._pending.append(request)
             self._lock.notify()
         return request
+
+    def receive(self, request: Request, decode_input: DecodeInput) -> int:
+        """The first token and proposal of a streamed request whose proposal came last (submitted
+        with its header's input): its sequence is made anew from the whole input, keeping the KV
+        reserved for it, unless it needs more KV positions than were reserved. Returns the
+        positions it needs."""
+        seq = self.sequence(decode_input)
+        needed = self._kv_need(seq)
+        if needed <= request.kv_need:
+            with self._lock:
+                seq.target_state = request.seq.target_state
+                request.input, request.seq = decode_input, seq
+        return needed
+
+    def _kv_need(self, seq: Sequence) -> int:
+        """KV positions a sequence may ever occupy with the largest proposal it may verify."""
+        own = self.proposer.max_nodes(seq.k, seq.candidates)
+        return seq.kv_need(max(len(seq.received.token_ids), own))
 
     def cancel(self, request: Request) -> None:
         """Drop a request: a queued one leaves the queue now (with any KV reserved for it), a
@@ -274,11 +251,11 @@ class DecodeEngine:
 
     def import_chunk(self, request: Request, index: int, offset: int, data: Buffer) -> None:
         """Bytes [offset, offset + len(data)) of KV tensor `index` of a reserved streamed request."""
-        self.pair.target.import_chunk(request.target_state, index, offset, data)
+        self.pair.target.import_chunk(request.seq.target_state, index, offset, data)
 
     def imported(self, request: Request) -> None:
         """Every KV byte of a streamed request written: it is admitted when a slot is free."""
-        self.pair.target.finish_import(request.target_state)
+        self.pair.target.finish_import(request.seq.target_state)
         with self._lock:
             request.imported = True
             self._lock.notify()
@@ -291,8 +268,7 @@ class DecodeEngine:
     @property
     def max_draft_candidates(self) -> int:
         """Candidates per node this node verifies and drafts: 1 where a model cannot mask by tree."""
-        trees = self.pair.target.supports_trees and self.pair.draft.supports_trees
-        return self.config.max_draft_candidates if trees else 1
+        return self.config.max_draft_candidates if self.proposer.trees else 1
 
     @property
     def pipelined(self) -> bool:
@@ -455,7 +431,7 @@ class DecodeEngine:
         for request in self._active:
             if request.cancelled.is_set():
                 continue
-            if request.remaining - (request in unread) <= 0:
+            if request.seq.remaining - (request in unread) <= 0:
                 if request not in unread:
                     self._finish(request, [], "length")
                 continue  # else the token in flight is its last: reading it finishes the request
@@ -464,14 +440,14 @@ class DecodeEngine:
             self._sweep()
             return False
         try:
-            self._holding = bool(live) and self._gated(live, unread, self._pipelines(live, unread))
-            if self._holding and self.pipelined:
+            hold = bool(live) and self._gated(live, unread, self._pipelines(live, unread))
+            if hold and self.pipelined:
                 self._launch(live)
             else:
                 self._drain()
                 live = [r for r in live if not r.cancelled.is_set()]  # those that finished in it are out
                 if live:
-                    self._speculate(live)
+                    self._speculate(live, hold)
         except Exception as err:  # a bug must not take the node down: fail these requests
             log.exception("decode step failed")
             failed = live + ([] if inflight is None else inflight.requests)
@@ -496,82 +472,69 @@ class DecodeEngine:
         self._active = kept
 
     def _claim(self, request: Request) -> bool:
-        """Reserve the request's target KV for all it may need (`kv_tokens`); False when the pools
+        """Reserve the request's target KV for all it may need (`kv_need`); False when the pools
         cannot hold it now. Called with the lock held, by the engine thread and by submit for an
         upload, so no thread takes blocks between another's check and its reservation. The draft
         KV is reserved at admission: its pool holds as many tokens as the target's, and a request
         holds draft blocks only while it holds target blocks, so it fits then."""
-        if request.target_state is not None or request.cancelled.is_set():
+        seq = request.seq
+        if seq.target_state is not None or request.cancelled.is_set():
             return True  # reserved already, or admitted only to be retired at once
-        needed = self.kv_tokens(request.input)
-        if not all(model.can_reserve(needed) for _, model in self._kv_models()):
+        if not all(model.can_reserve(request.kv_need) for _, model in self._kv_models()):
             return False
-        request.target_state = self.pair.target.begin_import(request.input.prompt_token_ids, needed)
+        seq.target_state = self.pair.target.begin_import(seq.prompt, request.kv_need)
         request.reserved.set()
         return True
 
     def _retire(self, request: Request) -> None:
         """Free a leaving request's KV (finished, cancelled, expired or failed)."""
-        for model, state in ((self.pair.target, request.target_state), (self.pair.draft, request.draft_state)):
+        seq = request.seq
+        for model, state in ((self.pair.target, seq.target_state), (self.pair.draft, seq.draft_state)):
             if state is not None:
                 model.release(state)
-        request.target_state = request.draft_state = None
+        seq.target_state = seq.draft_state = None
 
     # -- internals --------------------------------------------------------------------
     def _admit(self, request: Request) -> None:
-        data = request.input
-        pair = self.pair
-        config = self.config
-        request.history = [*data.prompt_token_ids, data.first_token_id]
+        """Its KV into the blocks `_claim` reserved (unless streamed there already), and the
+        draft state and prompt-lookup index of a request that speculates."""
         if request.cancelled.is_set():
             return  # never starts: _retire frees what _claim reserved
-        needed = self.kv_tokens(data)
-        if not request.streamed:  # the KV came in the message: into the blocks _claim reserved
-            import_tensors(pair.target, request.target_state, data.kv_cache)
-        k = data.num_speculative_tokens
-        if self.proposer.uses_draft and k:  # a request that never drafts needs no draft state
-            request.draft_state = pair.draft.prefill(data.prompt_token_ids)[1]
-            pair.draft.reserve(request.draft_state, needed)
-        if self.proposer.method != DRAFT and k:
-            request.lookup = ContextIndex(request.history, config.prompt_lookup_min, config.prompt_lookup_max)
-        if config.adaptive and k:
-            request.spec = AdaptiveK(k)
-        request.rng = RequestRng(data.params.seed, stream="decode")
-        budget = data.max_new_tokens or config.default_max_new_tokens
-        request.remaining = budget - 1  # the prefill node emitted the first token
-        request.plain = not k and not len(data.draft_token_ids) and not data.logprobs
-        stats = request.stats
-        stats.accepted_per_position = [0] * k
-        stats.accepted_per_rank = [0] * max(data.draft_candidates, 1)
-        stats.chosen_k = [0] * (k + 1)
-        stats.method = config.speculative_method
+        seq, data = request.seq, request.input
+        if not request.streamed:
+            import_tensors(self.pair.target, seq.target_state, data.kv_cache)
+        if seq.k and self.proposer.uses_draft:  # a request that never drafts needs no draft state
+            seq.draft_state = self.pair.draft.prefill(seq.prompt)[1]
+            self.pair.draft.reserve(seq.draft_state, request.kv_need)
+        if seq.k and self.proposer.method != DRAFT:
+            seq.lookup = ContextIndex(seq.history, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         if self.metrics:
             self.metrics.queue_time.labels("decode").observe(time.monotonic() - request.arrived)
-            self.metrics.prompt_tokens.labels("decode").inc(len(data.prompt_token_ids))
+            self.metrics.prompt_tokens.labels("decode").inc(len(seq.prompt))
 
-    def _speculate(self, requests: list[Request]) -> None:
-        proposals = self._proposals(requests)
-        feeds = [[r.history[-1], *p.token_ids] for r, p in zip(requests, proposals, strict=True)]
-        parents = [[-1, *(q + 1 for q in p.parents)] for p in proposals]  # the last token is tree token 0
-        logits = self.pair.target.extend_tree([r.target_state for r in requests], feeds, parents)
-        results = self._verify(requests, proposals, logits)
-        for request, proposal, row_logits, (emitted, path, do_sample) in zip(
-            requests, proposals, logits, results, strict=True
-        ):
-            self._record(request, proposal, path, len(emitted), do_sample)
-            if request.spec is not None:
+    def _speculate(self, requests: list[Request], hold: bool) -> None:
+        """A synchronous step (engine/spec_step.py): each row proposes the K its running
+        acceptance pays for (adaptive K) or its own K, or verifies what it received on its first
+        step; nothing is drafted when the batch gate holds the step (`hold`)."""
+        seqs = [r.seq for r in requests]
+        own = [s for s in seqs if not s.first_step and s.k]
+        caps = [0 if hold or self._lookup_idle(s) else s.k for s in own]
+        chosen: dict[Sequence, tuple[Plan, int]] = {}
+        for seq, plan in zip(own, self.proposer.plan(own, caps), strict=True):
+            depth = plan.limit if seq.spec is None else seq.spec.choose(plan.source, plan.limit, self.costs)
+            chosen[seq] = plan, depth
+            self._chose(seq, depth)
+        plans = [chosen[s][0] if s in chosen else None for s in seqs]
+        depths = [chosen[s][1] if s in chosen else 0 for s in seqs]
+        proposals = spec_step.propose(self.proposer, seqs, plans, depths, self.config.device, hold)
+        verified = spec_step.verify(self.pair.target, self.pair.draft, self.verifier, seqs, proposals, self._deliver)
+        for request, proposal, row in zip(requests, proposals, verified, strict=True):
+            seq = request.seq
+            self._record(seq, proposal, row)
+            if seq.spec is not None:
                 ours = proposal.source != PREFILL  # the prefill's proposal says nothing of this node's choices
-                request.spec.observe(proposal.source if ours else None, proposal.depth, len(emitted) - 1)
-            self.pair.target.accept_tree(request.target_state, [0, *(n + 1 for n in path)])
-            draft_state = request.draft_state
-            if draft_state is not None and draft_state.tree is not None:  # the inner nodes it consumed drafting
-                self.pair.draft.accept_tree(draft_state, [n for n in path if n < len(draft_state.tree.parents)])
-            top = request.input.logprobs
-            logprobs = []
-            if top:
-                rows = row_logits[[0, *(n + 1 for n in path)]][: len(emitted)]  # the contexts of the emitted tokens
-                logprobs = token_logprobs(rows.to(self.verifier.device), torch.tensor(emitted), top)
-            self._advance(request, emitted, logprobs)
+                seq.spec.observe(proposal.source if ours else None, proposal.depth, len(row.emitted) - 1)
+            self._advance(request, row.emitted, row.logprobs)
 
     def _pipelines(self, requests: list[Request], unread: set[Request]) -> bool:
         """Whether this step can be queued before the step in flight (its rows: `unread`) is
@@ -579,7 +542,7 @@ class DecodeEngine:
         draft now) and needs nothing but its token back (no logprobs)."""
         if not self.pipelined:
             return False
-        return all(r.plain or self._lookup_idle(r, r in unread) for r in requests)
+        return all(r.seq.plain or self._lookup_idle(r.seq, r in unread) for r in requests)
 
     def _gated(self, requests: list[Request], unread: set[Request], pipelines: bool) -> bool:
         """Whether this step runs at K = 0 (queued, with async scheduling): when every row emits
@@ -590,53 +553,51 @@ class DecodeEngine:
         would at K = 0). A row on its first step is held by dropping the prefill's proposal (a
         point mass too): else every request that joins a large batch would make one step of the
         whole batch speculate."""
+        seqs = [r.seq for r in requests]
         gateable = (
             self.gate is not None
-            and len(requests) > 1
+            and len(seqs) > 1
             and all(
-                (r.plain or r.spec is not None)
-                and not r.input.logprobs
-                and (not r.first_step or r.input.draft_probs is None)
-                for r in requests
+                (s.plain or s.spec is not None) and not s.logprobs and (not s.first_step or s.received.probs is None)
+                for s in seqs
             )
         )
         if not gateable:
             return pipelines
-        expected = sum(self._gain(r, r in unread) for r in requests)
-        plain = pipelines or not self.gate.allows(len(requests), expected)
-        self._step_kind = (len(requests), not plain)
+        expected = sum(self._gain(r.seq, r in unread) for r in requests)
+        plain = pipelines or not self.gate.allows(len(seqs), expected)
+        self._step_kind = (len(seqs), not plain)
         return plain
 
-    def _gain(self, request: Request, in_flight: bool) -> float:
+    def _gain(self, seq: Sequence, in_flight: bool) -> float:
         """The tokens a row expects from this step if the batch speculates."""
-        if request.plain:
+        if seq.plain:
             return 1.0
-        if request.first_step:  # the prefill's proposal, at the acceptance the row has shown (its prior)
-            return request.spec.expected(LOOKUP, len(request.input.draft_token_ids))
-        return 1.0 if self._lookup_idle(request, in_flight) else request.gain
+        if seq.first_step:  # the prefill's proposal, at the acceptance the row has shown (its prior)
+            return seq.spec.expected(LOOKUP, len(seq.received.token_ids))
+        return 1.0 if self._lookup_idle(seq, in_flight) else seq.gain
 
-    def _lookup_idle(self, request: Request, in_flight: bool = False) -> bool:
+    def _lookup_idle(self, seq: Sequence, in_flight: bool = False) -> bool:
         """A prompt-lookup row whose next step cannot draft, past its first step. The context after
         the step before the last decides: `hit` while the row's last step is still in flight,
         `may_draft` once it is read."""
         return (
             self.proposer.method == LOOKUP
-            and request.lookup is not None
-            and not (request.hit if in_flight else request.may_draft)
-            and not request.first_step
-            and not request.input.logprobs
+            and seq.lookup is not None
+            and not (seq.hit if in_flight else seq.may_draft)
+            and not seq.first_step
+            and not seq.logprobs
         )
 
-    def _lookup_hit(self, request: Request) -> bool:
+    def _lookup_hit(self, seq: Sequence) -> bool:
         """Whether the context as it is now has a prompt-lookup match that adaptive K would draft,
         and, with async scheduling, one worth the wait for the token in flight (`pays_to_wait`)."""
-        cap = request.input.num_speculative_tokens
-        matched, _ = request.lookup.match(cap)
-        if request.spec is None:
+        matched, _ = seq.lookup.match(seq.k)
+        if seq.spec is None:
             return bool(matched)
-        k = request.spec.choose(LOOKUP, len(matched), self.costs) if matched else 0
-        request.gain = request.spec.expected(LOOKUP, k)
-        return k > 0 and (not self.pipelined or request.spec.pays_to_wait(LOOKUP, k, self.costs))
+        k = seq.spec.choose(LOOKUP, len(matched), self.costs) if matched else 0
+        seq.gain = seq.spec.expected(LOOKUP, k)
+        return k > 0 and (not self.pipelined or seq.spec.pays_to_wait(LOOKUP, k, self.costs))
 
     def _launch(self, requests: list[Request]) -> None:
         """Queue a K = 0 step for `requests` (async scheduling), then read the step before it.
@@ -651,23 +612,24 @@ class DecodeEngine:
             else:
                 index.append(len(carried) + len(fresh))
                 fresh.append(request)
-        packed = torch.tensor([*index, *(r.history[-1] for r in fresh)], dtype=torch.int64)  # one copy for both
+        packed = torch.tensor([*index, *(r.seq.history[-1] for r in fresh)], dtype=torch.int64)  # one copy for both
         packed = to_device(packed, self.config.device)
         earlier = previous.tokens if previous is not None else packed[:0]
         tokens = torch.cat([earlier, packed[len(requests) :]])[packed[: len(requests)]]  # [B] int64
-        for request in requests:
-            request.first_step = False
-        states = [r.target_state for r in requests]
-        logits = self.pair.target.extend_batch(states, [[UNREAD]] * len(requests), device_tokens=tokens)  # no tree
+        seqs = [r.seq for r in requests]
+        for seq in seqs:
+            seq.received = None  # a first step held at K = 0 drops what it received
+        states = [s.target_state for s in seqs]
+        logits = self.pair.target.extend_batch(states, [[UNREAD]] * len(seqs), device_tokens=tokens)  # no tree
         slots = [len(state.tokens) - 1 for state in states]
-        no_drafts = torch.empty(len(requests), 0, dtype=torch.int64)
+        no_drafts = torch.empty(len(seqs), 0, dtype=torch.int64)
         result = self.verifier.verify(
             no_drafts,
             None,
             torch.stack(logits).to(self.verifier.device),
-            [r.input.params for r in requests],
-            [r.rng for r in requests],
-            [len(r.history) + (r in carried) for r in requests],  # a carried row's token is still unread
+            [s.params for s in seqs],
+            [s.rng for s in seqs],
+            [len(r.seq.history) + (r in carried) for r in requests],  # a carried row's token is still unread
         )
         sampled = result.output_token_ids[:, 0].to(torch.int64)  # [B]: K = 0 emits one token per row
         # its own stream: not behind a KV export's copies (a prefill node in the same process)
@@ -692,110 +654,25 @@ class DecodeEngine:
         for request, token, slot in zip(step.requests, tokens, step.slots, strict=True):
             if request.cancelled.is_set():
                 continue
-            request.target_state.tokens[slot] = request.history[-1]  # what the step fed: read by now
-            if request.lookup is not None:  # a prompt-lookup row that could not draft
-                self._chose(request, 0)
-                if request.spec is not None:
-                    request.spec.observe(None, 0, 0)
+            seq = request.seq
+            seq.target_state.tokens[slot] = seq.history[-1]  # what the step fed: read by now
+            if seq.lookup is not None:  # a prompt-lookup row that could not draft
+                self._chose(seq, 0)
+                if seq.spec is not None:
+                    seq.spec.observe(None, 0, 0)
             self._advance(request, [token], [])
 
-    def _verify(
-        self, requests: list[Request], proposals: list[Proposal], logits: list[torch.Tensor]
-    ) -> list[tuple[list[int], list[int], bool]]:
-        """One rejection-sampling launch for the batch: each row's (emitted tokens, accepted
-        nodes, do_sample)."""
-        params, rngs = [r.input.params for r in requests], [r.rng for r in requests]
-        # Point-mass proposals (and none) verify by coupling: each token is the one a K = 0 step
-        # would draw at its position, so a seeded row's tokens do not depend on K.
-        positions = [len(r.history) if p.probs is None else None for r, p in zip(requests, proposals, strict=True)]
-        device = self.verifier.device
-        sizes = {len(p.token_ids) for p in proposals}
-        point_mass = [p.probs is None for p in proposals]
-        if all(p.is_chain for p in proposals) and len(sizes) == 1 and len(set(point_mass)) == 1:
-            k = sizes.pop()  # the common case: chains of one K and one law -> the chain kernel
-            draft_ids = torch.tensor([p.token_ids for p in proposals], dtype=torch.int64).view(len(proposals), k)
-            probs = None if point_mass[0] else torch.stack([p.probs for p in proposals]).to(device)
-            result = self.verifier.verify(draft_ids, probs, torch.stack(logits).to(device), params, rngs, positions)
-            self._deliver()  # the GPU has the step: the streams take the GIL while the host waits
-            emitted, _ = result.host()
-            paths = [list(range(len(e) - 1)) for e in emitted]
-        else:
-            n = max(sizes)
-            batch = len(proposals)
-            # Rows padded to the longest: a handful of host-built tensors and device ops for the batch.
-            draft_ids = torch.tensor([[*p.token_ids, *[0] * (n - len(p.token_ids))] for p in proposals])  # [B, N]
-            parents = torch.tensor([[*p.parents, *[-1] * (n - len(p.parents))] for p in proposals])  # [B, N]
-            target_logits = pad_sequence(logits, batch_first=True).to(
-                device, torch.float32
-            )  # [B, N+1, Vt], 0 past a row
-            probs = None
-            if not all(point_mass):  # one launch for both laws: a point mass is a one-hot row
-                probs = torch.zeros(batch, n, target_logits.shape[-1], device=device)  # [B, N, Vt]
-                hot = [(b, j, t) for b, p in enumerate(proposals) if p.probs is None for j, t in enumerate(p.token_ids)]
-                if hot:
-                    probs[tuple(torch.tensor(hot).T.to(device))] = 1.0
-                for b, p in enumerate(proposals):
-                    if p.probs is not None and p.token_ids:
-                        probs[b, : len(p.token_ids)] = p.probs
-            result = self.verifier.verify_tree(
-                draft_ids, parents, [len(p.token_ids) for p in proposals], probs, target_logits, params, rngs, positions
-            )
-            self._deliver()
-            emitted, paths = result.host()
-        do_sample = [not p.is_greedy for p in params]  # the rows' modes, known on the host
-        return list(zip(emitted, paths, do_sample, strict=True))
-
-    def _proposals(self, requests: list[Request]) -> list[Proposal]:
-        """The prefill's proposal on a request's first step; else the proposer's, of the K each
-        request's running acceptance pays for (adaptive K) or of its own K."""
-        out = [NO_PROPOSAL] * len(requests)
-        local = []
-        for i, request in enumerate(requests):
-            if request.first_step:
-                request.first_step = False
-                if self._holding:
-                    continue  # the batch gate holds the step at K = 0 (`_gated`)
-                data = request.input
-                probs = None if data.draft_probs is None else to_device(data.draft_probs, self.config.device)
-                ids = data.draft_token_ids.tolist()
-                out[i] = Proposal(ids, data.draft_parents or list(range(-1, len(ids) - 1)), probs, PREFILL)
-            elif request.input.num_speculative_tokens:
-                local.append(i)
-        if not local:
-            return out
-        rows = [requests[i] for i in local]
-        caps = [0 if self._holding or self._lookup_idle(r) else r.input.num_speculative_tokens for r in rows]
-        plans = self.proposer.plan(rows, caps)
-        depths = [
-            plan.limit if r.spec is None else r.spec.choose(plan.source, plan.limit, self.costs)
-            for r, plan in zip(rows, plans, strict=True)
-        ]
-        for request, depth in zip(rows, depths, strict=True):
-            self._chose(request, depth)
-        for i, proposal in zip(local, self.proposer.propose(rows, plans, depths), strict=True):
-            out[i] = proposal
-        return out
-
-    def _chose(self, request: Request, depth: int) -> None:
-        request.stats.chosen_k[depth] += 1
+    def _chose(self, seq: Sequence, depth: int) -> None:
+        seq.stats.chosen_k[depth] += 1
         if self.metrics:
             self.metrics.chosen_k.labels(self.proposer.method).observe(depth)
 
-    def _advance(self, request: Request, emitted: Sequence[int], logprobs: list[TokenLogprob]) -> None:
-        data = request.input
-        budget = data.max_new_tokens or self.config.default_max_new_tokens
-        done = budget - request.remaining  # tokens of this request emitted so far (prefill's first included)
-        out, reason = [], ""
-        for token in emitted:
-            out.append(token)
-            reason = finish_reason(token, self.pair.target.eos_token_ids, data.stop_token_ids, done + len(out), budget)
-            if reason:
-                break
-        request.history += out
-        request.remaining -= len(out)
+    def _advance(self, request: Request, emitted: list[int], logprobs: list[TokenLogprob]) -> None:
+        seq = request.seq
+        out, reason = seq.append(emitted)
         logprobs = logprobs[: len(out)]
-        if request.lookup is not None and not reason:
-            request.may_draft, request.hit = request.hit, self._lookup_hit(request)
+        if seq.lookup is not None and not reason:
+            seq.may_draft, seq.hit = seq.hit, self._lookup_hit(seq)
         if reason:
             self._finish(request, out, reason, logprobs)
         else:
@@ -804,26 +681,16 @@ class DecodeEngine:
     def _finish(
         self, request: Request, tokens: list[int], reason: str, logprobs: list[TokenLogprob] | None = None
     ) -> None:
-        self._emit(
-            request, Event(tokens, finished=True, finish_reason=reason, stats=request.stats, logprobs=logprobs or [])
-        )
+        stats = request.seq.stats
+        self._emit(request, Event(tokens, finished=True, finish_reason=reason, stats=stats, logprobs=logprobs or []))
         request.cancelled.set()  # leaves the batch
 
-    def _record(self, request: Request, proposal: Proposal, path: list[int], emitted: int, do_sample: bool) -> None:
-        nodes = len(proposal.token_ids)
-        if nodes == 0:
+    def _record(self, seq: Sequence, proposal: Proposal, row: spec_step.Verified) -> None:
+        if not proposal.token_ids:
             return  # K = 0 verifies nothing
-        stats = request.stats
-        stats.verify_steps += 1
-        stats.draft_tokens += nodes
-        stats.accepted_tokens += emitted - 1
-        if proposal.source == LOOKUP:
-            stats.prompt_lookup_tokens += nodes
-        ranks = [proposal.rank(n) for n in path]
-        for position, rank in enumerate(ranks):
-            stats.accepted_per_position[position] += 1
-            stats.accepted_per_rank[rank] += 1
+        ranks = seq.stats.record(proposal, row.path)
         if self.metrics:
-            self.metrics.record_step(do_sample, nodes, emitted - 1, emitted, ranks)
+            nodes, emitted = len(proposal.token_ids), len(row.emitted)
+            self.metrics.record_step(row.do_sample, nodes, emitted - 1, emitted, ranks)
             if proposal.source != PREFILL:
                 self.metrics.record_source(proposal.source, nodes, emitted - 1)

@@ -253,7 +253,7 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
                 if got != sizes:  # the proposal comes after the KV: the engine may start at once
                     problem = Violation("request", "the proposal after every KV byte", f"{sum(got)} bytes in")
                     self._reject([problem], rid, context, outcome)
-                handle.input = self._proposal(handle, header, chunk, manifest, context, outcome)
+                self._proposal(handle, header, chunk, manifest, context, outcome)
                 header = None
                 continue
             problem = chunk.error
@@ -295,25 +295,24 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
 
     def _proposal(
         self, handle: Request, header: ParsedDecodeRequest, last: ParsedChunk, manifest, context, outcome
-    ) -> DecodeInput:
+    ) -> None:
         """The request a proposal-last stream makes: its header with the last chunk's
-        first_token_id and proposal, validated as one; its KV positions must be within what
-        was reserved for the header."""
+        first_token_id and proposal, validated as one and handed to the engine; its KV positions
+        must be within what was reserved for the header."""
         merged = pdspec_pb2.DecodeRequest()
         merged.CopyFrom(header.header)
         merged.first_token_id = last.request.header.first_token_id
         merged.proposal.CopyFrom(last.request.header.proposal)
         request = ParsedDecodeRequest(merged, last.request.payloads, None, last.wire_bytes, last.request.proposal_bytes)
         result = self._validated(request, context, outcome, manifest)
-        reserved, needed = self.engine.kv_tokens(handle.input), self.engine.kv_tokens(result)
-        if needed > reserved:
+        needed = self.engine.receive(handle, result)
+        if needed > handle.kv_need:
             problem = Violation(
                 "proposal.token_ids",
-                f"a proposal within the {reserved} KV positions reserved for the header",
+                f"a proposal within the {handle.kv_need} KV positions reserved for the header",
                 f"{len(result.draft_token_ids)} nodes ({needed} positions)",
             )
             self._reject([problem], handle.input.request_id, context, outcome)
-        return result
 
     def _import_shared(self, handle: Request, shared: pdspec_pb2.SharedKv, context, outcome: list[str]):
         """Import a validated shared-memory KV from its mapping, a slice at a time (heartbeats between)."""
@@ -501,7 +500,7 @@ def run_server(
         ),
     )
     contract = pair.contract()
-    trees = pair.target.supports_trees and pair.draft.supports_trees and config.engine.max_draft_candidates > 1
+    trees = pair.supports_trees and config.engine.max_draft_candidates > 1
     rows = max(config.engine.max_speculative_tokens, config.engine.max_tree_nodes if trees else 0)  # proposal rows
     limit = config.max_message_bytes or max_message_bytes(contract, rows, config.limits.max_prompt_tokens)
     metrics = NodeMetrics(

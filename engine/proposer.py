@@ -41,7 +41,8 @@ import torch
 
 from engine.prompt_lookup import ContextIndex, chains_to_tree
 from models.base import CausalLM, State
-from sampling import DraftToTargetMap, RequestRng, SamplingParams, SamplingTensors, propose_candidates
+from models.pair import ModelPair
+from sampling import DraftToTargetMap, RequestRng, SamplingParams, SamplingTensors, point_mass, propose_candidates
 from sampling.proposal import DraftLaw
 from sampling.transfer import to_device
 from sampling.tree import MAX_TREE_NODES
@@ -189,8 +190,8 @@ def draft_tokens(
     for tree in trees:
         for node in tree:
             if not ids[2][node.value]:  # a draw fed unread found no mass (non-finite draft logits):
-                node.probs = torch.zeros_like(node.probs)  # it proposes the id it was fed, a point mass
-                node.probs[ids[0][node.value]] = 1.0
+                # it proposes the id it was fed, a point mass
+                node.probs = point_mass(torch.tensor(ids[0][node.value], device=node.probs.device), len(node.probs))
     for state in states:  # the tree tokens fed from the device, in their values now
         _resolve(state, ids[1])
     return [_drafted(tree, ids) for tree in trees]
@@ -295,6 +296,13 @@ class Proposer:
         self.draft, self.d2t, self.law = draft, d2t, law
         self.trees = trees  # both models mask by tree: rows may ask for candidates
         self.max_tree_nodes = max_tree_nodes
+
+    @classmethod
+    def for_pair(
+        cls, pair: ModelPair, method: str, law: DraftLaw, max_tree_nodes: int, device: str | torch.device
+    ) -> Proposer:
+        """A node's proposer: d2t on the node's device, trees where both models mask by tree."""
+        return cls(method, pair.draft, pair.d2t.to(device), law, pair.supports_trees, max_tree_nodes)
 
     @property
     def uses_draft(self) -> bool:

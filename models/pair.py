@@ -16,6 +16,11 @@ class ModelPair:
     d2t: DraftToTargetMap  # validated when the pair was loaded
     tokenizer: Tokenizer  # the target's
 
+    @property
+    def supports_trees(self) -> bool:
+        """Both models mask by tree: requests may ask for candidate trees, not only chains."""
+        return self.target.supports_trees and self.draft.supports_trees
+
     def contract(self) -> Contract:
         return Contract(
             target_vocab_size=self.target.vocab_size,

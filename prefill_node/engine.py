@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Sequence
+from collections import abc
 from dataclasses import dataclass, field
 
 import torch
@@ -24,9 +24,8 @@ import torch
 from engine.device import on_device
 from engine.prompt_lookup import ContextIndex, check_lookup_range
 from engine.proposer import DRAFT, SPECULATIVE_METHODS, Proposal, Proposer, check_tree_limits
-from models.base import State
+from engine.sequence import Sequence
 from models.pair import ModelPair
-from pdspec.stopping import finish_reason
 from protos import pdspec_pb2
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
 from protos.shm_kv import SharedKvSegment
@@ -146,15 +145,18 @@ class PrefillEngine:
         self.contract = pair.contract()
         self.fingerprint = self.contract.fingerprint()
         self.max_speculative_tokens = config.max_speculative_tokens
-        self.trees = pair.target.supports_trees and pair.draft.supports_trees  # the models mask by tree
-        self.max_draft_candidates = config.max_draft_candidates if self.trees else 1  # lowered to the peer's
-        self.d2t = pair.d2t.to(config.device)
-        self.proposer = Proposer(
-            config.speculative_method, pair.draft, self.d2t, config.draft_law, self.trees, config.max_tree_nodes
+        self.proposer = Proposer.for_pair(
+            pair, config.speculative_method, config.draft_law, config.max_tree_nodes, config.device
         )
+        self.max_draft_candidates = config.max_draft_candidates if self.trees else 1  # lowered to the peer's
         self._lock = threading.Lock()  # one caller runs the models at a time (they need not be thread-safe)
         self._jobs_lock = threading.Lock()
         self._jobs: list[_Job] = []
+
+    @property
+    def trees(self) -> bool:
+        """Both models mask by tree: requests may ask for candidate trees."""
+        return self.proposer.trees
 
     @property
     def max_tree_nodes(self) -> int:
@@ -243,7 +245,9 @@ class PrefillEngine:
         manifest = kv_manifest((spec.dtype, spec.shape_for(len(checked.ids))) for spec in self.pair.target.kv_layout)
         return WireDecodeRequest(self._header(checked)), manifest
 
-    def prefill_many(self, checked: Sequence[Checked], sinks: Sequence[queue.Queue | None] = ()) -> list[Prefilled]:
+    def prefill_many(
+        self, checked: abc.Sequence[Checked], sinks: abc.Sequence[queue.Queue | None] = ()
+    ) -> list[Prefilled]:
         """Run checked requests up to their DecodeRequests (or to their ends), in order.
 
         Concurrent callers are batched: each queues its jobs, and whichever caller holds the
@@ -252,9 +256,7 @@ class PrefillEngine:
         then the first tokens, the drafts and the KV exports of the finished ones). A failed
         job fails the call after every job has ended (the first error is raised)."""
         sinks = list(sinks) or [None] * len(checked)
-        jobs = [
-            _Job(c, RequestRng(c.params.seed, stream="prefill"), sink=s) for c, s in zip(checked, sinks, strict=True)
-        ]
+        jobs = [_Job(c, self._sequence(c), sink=s) for c, s in zip(checked, sinks, strict=True)]
         with self._jobs_lock:
             self._jobs.extend(jobs)
         for job in jobs:
@@ -274,6 +276,21 @@ class PrefillEngine:
             raise failed
         return [job.result for job in jobs]
 
+    def _sequence(self, checked: Checked) -> Sequence:
+        """A checked request's sequence (every default resolved in `check`)."""
+        return Sequence(
+            prompt=checked.ids,
+            params=checked.params,
+            budget=checked.max_new_tokens,
+            eos_token_ids=tuple(self.pair.target.eos_token_ids),
+            stop_token_ids=tuple(checked.sampling.stop_token_ids),
+            rng=RequestRng(checked.params.seed, stream="prefill"),
+            k=checked.k,
+            candidates=checked.candidates,
+            logprobs=checked.sampling.logprobs,
+            method=self.config.speculative_method,
+        )
+
     def _step(self) -> None:
         target = self.pair.target
         with self._jobs_lock:
@@ -282,12 +299,12 @@ class PrefillEngine:
         for job in jobs:  # arrival order; a long prompt takes the budget that is left
             if budget <= 0:
                 break
-            if job.state is None:
-                if not target.can_reserve(len(job.checked.ids)):
+            if job.seq.target_state is None:
+                if not target.can_reserve(len(job.seq.prompt)):
                     continue  # waits until running prefills free their KV (check() refused any that never fits)
-                job.state = target.empty_state()
-                target.reserve(job.state, len(job.checked.ids))
-            chunk = job.checked.ids[job.consumed : job.consumed + budget]
+                job.seq.target_state = target.empty_state()
+                target.reserve(job.seq.target_state, len(job.seq.prompt))
+            chunk = job.seq.prompt[job.consumed : job.consumed + budget]
             chosen.append(job)
             chunks.append(chunk)
             budget -= len(chunk)
@@ -298,18 +315,18 @@ class PrefillEngine:
             shipping = [
                 job
                 for job, chunk in zip(chosen, chunks, strict=True)
-                if job.sink is not None and job.consumed + len(chunk) == len(job.checked.ids)
+                if job.sink is not None and job.consumed + len(chunk) == len(job.seq.prompt)
             ]
             if shipping and getattr(target, "layer_export", False):
                 last = target.extend_last(  # [R, V]
-                    [job.state for job in chosen], chunks, after_layer=self._shipper(shipping)
+                    [job.seq.target_state for job in chosen], chunks, after_layer=self._shipper(shipping)
                 )
             else:
-                last = target.extend_last([job.state for job in chosen], chunks)  # [R, V]
+                last = target.extend_last([job.seq.target_state for job in chosen], chunks)  # [R, V]
             done = []
             for row, (job, chunk) in enumerate(zip(chosen, chunks, strict=True)):
                 job.consumed += len(chunk)
-                if job.consumed == len(job.checked.ids):
+                if job.consumed == len(job.seq.prompt):
                     done.append((job, row))
             if done:
                 self._finish([job for job, _ in done], last[[row for _, row in done]])
@@ -322,19 +339,15 @@ class PrefillEngine:
     def _finish(self, jobs: list[_Job], logits: torch.Tensor) -> None:
         """First tokens (one batched draw), drafts (one batched draft), KV exports."""
         pair, device = self.pair, self.config.device
-        rows = SamplingTensors.from_params([job.checked.params for job in jobs], device)
-        uniforms = torch.stack([job.rng.uniforms(1) for job in jobs]).to(device)  # [R, 1]
+        rows = SamplingTensors.from_params([job.seq.params for job in jobs], device)
+        uniforms = torch.stack([job.seq.rng.uniforms(1) for job in jobs]).to(device)  # [R, 1]
         logits = logits.to(device)
         firsts = sample_target(logits[:, None], rows, uniforms).token_ids[:, 0].cpu().tolist()
         going = []
         for row, (job, first) in enumerate(zip(jobs, firsts, strict=True)):
-            sampling = job.checked.sampling
-            job.first = first
-            if sampling.logprobs:
-                job.first_logprob = token_logprobs(logits[row : row + 1], torch.tensor([first]), sampling.logprobs)[0]
-            reason = finish_reason(
-                first, pair.target.eos_token_ids, sampling.stop_token_ids, 1, sampling.max_new_tokens
-            )
+            _, reason = job.seq.append([first])
+            if job.seq.logprobs:
+                job.first_logprob = token_logprobs(logits[row : row + 1], torch.tensor([first]), job.seq.logprobs)[0]
             if reason:
                 self._end(job, result=Prefilled(first, job.first_logprob, reason, None, None))
             else:
@@ -347,12 +360,12 @@ class PrefillEngine:
             if job.sink is not None:
                 self._ship_rest(job, proposal)
                 continue
-            segment = self._segment(len(job.checked.ids))
+            segment = self._segment(len(job.seq.prompt))
             try:
                 if segment is None:
-                    kv = pair.target.export_state(job.state)
+                    kv = pair.target.export_state(job.seq.target_state)
                 else:
-                    pair.target.export_state(job.state, segment.tensors)
+                    pair.target.export_state(job.seq.target_state, segment.tensors)
                     segment.close()  # the KV is in the file: nothing of it stays mapped on this node
                     kv = []
                 self._end(job, result=self._decode_request(job, proposal, kv, segment))
@@ -372,7 +385,7 @@ class PrefillEngine:
         """after_layer for the jobs whose KV ships as it is computed: layer i's keys and values
         of each job's whole prompt into its sink (earlier chunks' positions are in the pool)."""
         target = self.pair.target
-        slots = {id(job): target.kv_slots(job.state, len(job.checked.ids)) for job in jobs}
+        slots = {id(job): target.kv_slots(job.seq.target_state, len(job.seq.prompt)) for job in jobs}
 
         def after_layer(layer: int) -> None:
             for job in jobs:
@@ -387,24 +400,24 @@ class PrefillEngine:
         """What a layer-by-layer job has not shipped (every tensor, for a target without
         after_layer), then its proposal: the sink's last item."""
         if not job.sent_bytes:
-            for index, tensor in enumerate(self.pair.target.export_state(job.state)):
+            for index, tensor in enumerate(self.pair.target.export_state(job.seq.target_state)):
                 job.sent_bytes += tensor.numel() * tensor.element_size()
                 job.sink.put((index, HostCopy(tensor)))
-        tail = pdspec_pb2.DecodeRequest(first_token_id=job.first)
+        tail = pdspec_pb2.DecodeRequest(first_token_id=job.seq.history[-1])
         wire = WireDecodeRequest(tail)
         encoding = self._encode(proposal, job.checked.k, tail, wire)
         job.sink.put(wire)
         job.sink = None  # ended
-        result = Prefilled(job.first, job.first_logprob, "", wire, encoding, sent_bytes=job.sent_bytes)
+        result = Prefilled(job.seq.history[-1], job.first_logprob, "", wire, encoding, sent_bytes=job.sent_bytes)
         self._end(job, result=result)
 
     def _end(self, job: _Job, *, result: Prefilled | None = None, error: BaseException | None = None) -> None:
         if job.sink is not None:
             job.sink.put(None)  # ended at its first token, or failed: the stream ends short
             job.sink = None
-        if job.state is not None:
-            self.pair.target.release(job.state)  # the KV lives on in the export (and then on the wire)
-            job.state = None
+        if job.seq.target_state is not None:
+            self.pair.target.release(job.seq.target_state)  # the KV lives on in the export (and then on the wire)
+            job.seq.target_state = None
         job.result, job.error = result, error
         with self._jobs_lock:
             if job in self._jobs:
@@ -447,7 +460,7 @@ class PrefillEngine:
         self, job: _Job, proposal: Proposal, kv: list[torch.Tensor], segment: SharedKvSegment | None
     ) -> Prefilled:
         header = self._header(job.checked)
-        header.first_token_id = job.first
+        header.first_token_id = job.seq.history[-1]
         wire = WireDecodeRequest(header)
         encoding = self._encode(proposal, job.checked.k, header, wire)
         if segment is not None:
@@ -455,7 +468,7 @@ class PrefillEngine:
         elif not self.streams(kv):
             for i, tensor in enumerate(kv):
                 wire.set_tensor(f"kv_cache[{i}]", tensor)  # a view: no copy until the one join
-        return Prefilled(job.first, job.first_logprob, "", wire, encoding, kv, segment)
+        return Prefilled(job.seq.history[-1], job.first_logprob, "", wire, encoding, kv, segment)
 
     def streams(self, kv: list[torch.Tensor] | int) -> bool:
         """Whether this KV (tensors, or a byte count) goes over DecodeStream (see PrefillConfig.kv_streaming)."""
@@ -467,24 +480,23 @@ class PrefillEngine:
         or as its prompt-lookup match; the draft model's rows get a draft state over the prompt
         for the call."""
         config, draft = self.config, self.pair.draft
-        for job in jobs:
-            job.history = [*job.checked.ids, job.first]
-            if config.speculative_method != DRAFT:
-                job.lookup = ContextIndex(job.history, config.prompt_lookup_min, config.prompt_lookup_max)
-        plans = self.proposer.plan(jobs, [job.checked.k for job in jobs])
-        drafting = [job for job, plan in zip(jobs, plans, strict=True) if plan.source == DRAFT and plan.limit]
+        seqs = [job.seq for job in jobs]
+        if config.speculative_method != DRAFT:
+            for seq in seqs:
+                seq.lookup = ContextIndex(seq.history, config.prompt_lookup_min, config.prompt_lookup_max)
+        plans = self.proposer.plan(seqs, [seq.k for seq in seqs])
+        drafting = [seq for seq, plan in zip(seqs, plans, strict=True) if plan.source == DRAFT and plan.limit]
         try:
-            for job in drafting:
-                job.draft_state = draft.empty_state()
-                nodes = self.proposer.max_nodes(job.checked.k, job.checked.candidates)
-                draft.reserve(job.draft_state, len(job.checked.ids) + 1 + nodes)
+            for seq in drafting:
+                seq.draft_state = draft.empty_state()
+                draft.reserve(seq.draft_state, len(seq.history) + self.proposer.max_nodes(seq.k, seq.candidates))
             if drafting:
-                draft.extend_last([job.draft_state for job in drafting], [job.checked.ids for job in drafting])
-            return self.proposer.propose(jobs, plans, [plan.limit for plan in plans])
+                draft.extend_last([seq.draft_state for seq in drafting], [seq.prompt for seq in drafting])
+            return self.proposer.propose(seqs, plans, [plan.limit for plan in plans])
         finally:
-            for job in drafting:
-                draft.release(job.draft_state)
-                job.draft_state = None
+            for seq in drafting:
+                draft.release(seq.draft_state)
+                seq.draft_state = None
 
 
 @dataclass(eq=False)
@@ -492,25 +504,11 @@ class _Job:
     """One request inside the prefill engine: its prompt consumed in chunks, then finished."""
 
     checked: Checked
-    rng: RequestRng
+    seq: Sequence
     done: threading.Event = field(default_factory=threading.Event)
-    state: State | None = None
     consumed: int = 0  # prompt tokens the target has consumed
-    first: int = -1
     first_logprob: TokenLogprob | None = None
     result: Prefilled | None = None
     error: BaseException | None = None
     sink: queue.Queue | None = None  # layer by layer: where its KV and then its proposal go (prefill(sink=))
     sent_bytes: int = 0
-    # What the proposer reads (engine/proposer.Row), set when the first token is drawn.
-    history: list[int] = field(default_factory=list)
-    lookup: ContextIndex | None = None
-    draft_state: State | None = None
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.checked.params
-
-    @property
-    def candidates(self) -> int:
-        return self.checked.candidates

@@ -20,7 +20,7 @@ import torch
 
 from protos import pdspec_pb2
 from protos.codec import encode_tensor
-from sampling.proposal import DraftLaw
+from sampling.proposal import DraftLaw, point_mass
 
 Encoding = pdspec_pb2.Proposal.Encoding
 
@@ -74,8 +74,7 @@ def encode_proposal(
         return proposal
     probs = draft_probs
     if probs is None:  # point-mass law shipped densely: one-hot rows
-        probs = torch.zeros(k, draft_vocab_size, dtype=torch.float32)
-        probs[torch.arange(k), draft_token_ids.long().cpu()] = 1.0
+        probs = point_mass(draft_token_ids.cpu(), draft_vocab_size)
     probs = probs.detach().float().cpu()
     if encoding is ProposalEncoding.DENSE:
         proposal.encoding = Encoding.DENSE

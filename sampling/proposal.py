@@ -34,6 +34,13 @@ class DraftSample:
     probs: torch.Tensor | None  # [B, Vd] float32, or None = point mass at token_ids
 
 
+def point_mass(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[...] int64 ids -> [..., V] float32 one-hot rows: a point mass's law written densely, where
+    a dense distribution is expected (the one place such rows are built)."""
+    rows = torch.zeros(*token_ids.shape, vocab_size, dtype=torch.float32, device=token_ids.device)
+    return rows.scatter_(-1, token_ids.long()[..., None], 1.0)
+
+
 def propose_point_mass(logits: torch.Tensor) -> DraftSample:
     """logits [B, Vd] -> argmax ids, point mass."""
     return DraftSample(logits.argmax(-1), None)
@@ -99,8 +106,7 @@ def propose_candidates(
         greedy = params.greedy[:, None]
         top = _top_ids(logits, k)
         token_ids = torch.where(greedy, top, token_ids)
-        one_hot = torch.zeros_like(probs).scatter_(2, top[..., None], 1.0)
-        probs = torch.where(greedy[..., None], one_hot, probs)
+        probs = torch.where(greedy[..., None], point_mass(top, probs.shape[-1]), probs)
         valid = valid | greedy
     return CandidateSample(token_ids, probs, valid)
 

@@ -91,8 +91,9 @@ def run(
         steps += 1
         assert steps < 500
         for i, (req, tokens) in enumerate(running):
-            if req.target_state is not None and req.history:  # the target has consumed history but its last
-                assert req.target_state.tokens[: len(req.history) - 1] == req.history[:-1]
+            seq = req.seq
+            if seq.target_state is not None:  # the target has consumed history but its last
+                assert seq.target_state.tokens[: len(seq.history) - 1] == seq.history[:-1]
             if (cancel_after or {}).get(i) == steps:
                 decode.cancel(req)
             while not req.events.empty():

@@ -1,0 +1,129 @@
+"""One request's state: the same object in both nodes.
+
+A sequence is its prompt and every token generated after it (`history`), the rule that ends
+it (`budget`, EOS and stop ids, applied by `append`), what it may draft (K cap, candidates
+per node), its generator, the model states holding its KV, its prompt-lookup index and
+adaptive-K state, and its statistics. Everything about a request is resolved once, when its
+sequence is made; the node engines are schedulers over sequences (`engine/proposer.Row` is
+what a proposer reads of one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.adaptive import AdaptiveK
+from engine.prompt_lookup import ContextIndex
+from engine.proposer import LOOKUP, Proposal
+from models.base import State
+from pdspec.stopping import finish_reason
+from sampling import RequestRng, SamplingParams
+
+
+@dataclass
+class Stats:
+    """A request's speculation counts on one node. `accepted_tokens` counts accepted DRAFT
+    tokens only (a step EMITS those plus the correction or bonus token)."""
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # by depth
+    accepted_per_rank: list[int] = field(default_factory=list)  # by rank among siblings
+    chosen_k: list[int] = field(default_factory=list)  # this node's steps by the K chosen for them
+    method: str = ""  # the speculative method
+    prompt_lookup_tokens: int = 0  # draft tokens prompt lookup proposed
+
+    def record(self, proposal: Proposal, path: list[int]) -> list[int]:
+        """A verified proposal whose nodes `path` were accepted; returns their ranks among siblings."""
+        self.verify_steps += 1
+        self.draft_tokens += len(proposal.token_ids)
+        self.accepted_tokens += len(path)
+        if proposal.source == LOOKUP:
+            self.prompt_lookup_tokens += len(proposal.token_ids)
+        ranks = [proposal.rank(n) for n in path]
+        for position, rank in enumerate(ranks):
+            self.accepted_per_position[position] += 1
+            self.accepted_per_rank[rank] += 1
+        return ranks
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request. `budget` is the client's total of generated tokens (the prefill node's first
+    token included), the server default already applied; `k` caps its proposals' depth (0: it
+    never speculates)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    budget: int
+    eos_token_ids: tuple[int, ...]
+    stop_token_ids: tuple[int, ...]
+    rng: RequestRng
+    k: int = 0
+    candidates: int = 1  # per proposal-tree node (1: chains)
+    logprobs: int = 0  # top log-probabilities reported per token (0: none)
+    method: str = ""  # the node's speculative method (statistics)
+    history: list[int] = field(default_factory=list)  # prompt + every generated token
+    target_state: State | None = None  # consumed all of history but its last token
+    draft_state: State | None = None  # consumed a prefix of history (catches up before drafting)
+    lookup: ContextIndex | None = None  # history, indexed for prompt lookup (holds the same list)
+    spec: AdaptiveK | None = None  # running acceptance and choice of K (adaptive K)
+    stats: Stats = field(default_factory=Stats)
+    # Decode side: the proposal that came with the request (the prefill node's), verified at the
+    # sequence's first step on this node; None once that step has run.
+    received: Proposal | None = None
+    # Prompt lookup: whether the context had a match worth drafting after the last step (`hit`)
+    # and after the one before (`may_draft`). Step t may draft only if it had one after step
+    # t - 2: known before step t - 1 is read, so rows without a match pipeline like K = 0 rows.
+    hit: bool = True
+    may_draft: bool = True
+    gain: float = 1.0  # the tokens the next step expects if it drafts (adaptive K's E(K))
+
+    def __post_init__(self) -> None:
+        if not self.history:
+            self.history = list(self.prompt)
+        self.stats.accepted_per_position = [0] * self.k
+        self.stats.accepted_per_rank = [0] * max(self.candidates, 1)
+        self.stats.chosen_k = [0] * (self.k + 1)
+        self.stats.method = self.method
+
+    @property
+    def generated(self) -> int:
+        return len(self.history) - len(self.prompt)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens it may still generate."""
+        return self.budget - self.generated
+
+    @property
+    def first_step(self) -> bool:
+        return self.received is not None
+
+    @property
+    def plain(self) -> bool:
+        """K = 0 (so nothing received to verify either) and no logprobs: one token per step and
+        nothing else read back, what async scheduling queues without waiting."""
+        return not self.k and not self.logprobs
+
+    def kv_need(self, proposal_nodes: int) -> int:
+        """KV positions it may ever occupy with proposals of up to `proposal_nodes` nodes: prompt,
+        every token it may generate, a proposal's nodes and the token they follow."""
+        return len(self.prompt) + self.budget + proposal_nodes + 1
+
+    def append(self, tokens: list[int]) -> tuple[list[int], str]:
+        """Add the tokens a step emitted, up to the one that ends the sequence. Returns the tokens
+        kept and why it ended ("" while it goes on). The rule: an EOS id wins over a stop id, both
+        over the budget."""
+        kept: list[int] = []
+        reason = ""
+        for token in tokens:
+            kept.append(token)
+            reason = finish_reason(
+                token, self.eos_token_ids, self.stop_token_ids, self.generated + len(kept), self.budget
+            )
+            if reason:
+                break
+        self.history += kept  # in place: the prompt-lookup index holds this list
+        return kept, reason
