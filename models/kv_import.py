@@ -28,10 +28,8 @@ import numpy as np
 import torch
 
 from protos.contract import KvTensorSpec
-from protos.wire import host_bytes
-from sampling.transfer import side_stream
+from sampling.transfer import Buffer, host_bytes, side_stream
 
-Buffer = bytes | bytearray | memoryview
 STAGING_BYTES = 4 << 20  # a GPU import's pinned and device staging buffers: the default --kv-chunk-bytes
 
 
