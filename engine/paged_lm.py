@@ -22,8 +22,9 @@ import torch
 
 from engine.device import on_device
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
-from models.base import ChunkedImport, State, batch_positions, close_span, end_import, live_rows
+from models.base import CausalLM, ChunkedImport, State, batch_positions, close_span, end_import, live_rows
 from models.kv_import import KvWriter
+from models.kv_layout import kv_bytes
 from models.llama import EAGER, LlamaCausalLM, compiled_pointwise
 from models.pair import ModelPair
 from sampling.transfer import HostCopy, pinned, to_device, to_host_async
@@ -190,7 +191,7 @@ class PagedLlamaLM(ChunkedImport):
         attention: str = "auto",
     ) -> PagedLlamaLM:
         c = model.config
-        per_block = KvPool.bytes_per_block(model.num_layers, c.num_kv_heads, c.head_dim, block_size, model.dtype)
+        per_block = block_size * bytes_per_token(model)  # a slot holds one position of every layout tensor
         num_blocks = kv_bytes // per_block
         if num_blocks < 2:  # one block is the scratch block
             raise ValueError(f"kv_cache_bytes: expected at least two blocks ({2 * per_block} bytes), got {kv_bytes}")
@@ -500,6 +501,6 @@ def kv_pool_bytes(pair: ModelPair) -> int:
     return sum(m.pool.kv.nbytes for m in (pair.target, pair.draft) if isinstance(m, PagedLlamaLM))
 
 
-def bytes_per_token(model: LlamaCausalLM) -> int:
-    c = model.config
-    return model.num_layers * 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+def bytes_per_token(model: CausalLM) -> int:
+    """KV bytes of one position of the model: what its pool spends per token."""
+    return kv_bytes(model.kv_layout, 1)

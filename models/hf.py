@@ -28,9 +28,9 @@ import torch
 
 from models.base import ChunkedImport, GrowingKv, State, TreeSpan, close_span, end_import
 from models.kv_import import KvWriter
+from models.kv_layout import layer_kv_layout
 from models.pair import ModelPair
 from models.tokenizer import TextTokenizer
-from protos.contract import SEQ, KvTensorSpec
 from sampling import DraftToTargetMap
 
 
@@ -59,7 +59,7 @@ class HFCausalLM(ChunkedImport, GrowingKv):
         self.name = f"hf:{path.name}:{_checkpoint_digest(path)}"
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.kv_layout = tuple(KvTensorSpec(dtype, (heads, SEQ, head_dim)) for _ in range(2 * config.num_hidden_layers))
+        self.kv_layout = layer_kv_layout(config.num_hidden_layers, heads, head_dim, dtype)
         self.output_mask = output_mask  # [V] bool: False = never proposed
         self.input_map = input_map  # [Vt] int64: target id -> this model's id
         self._cache_kwarg = (

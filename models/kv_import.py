@@ -21,13 +21,12 @@ before the engine's first use of the request.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from protos.contract import KvTensorSpec
+from models.kv_layout import KvTensorSpec
 from sampling.transfer import Buffer, host_bytes, side_stream
 
 STAGING_BYTES = 4 << 20  # a GPU import's pinned and device staging buffers: the default --kv-chunk-bytes
@@ -46,7 +45,7 @@ class KvWriter:
                 f"storages/slots: expected {len(layout)} storages and {seq} slots, got {len(storages)}/{len(slots)}"
             )
         self.shapes = [spec.shape_for(seq) for spec in layout]
-        self.sizes = [math.prod(shape) * spec.dtype.itemsize for shape, spec in zip(self.shapes, layout, strict=True)]
+        self.sizes = [spec.nbytes(seq) for spec in layout]
         self.rows = [shape[2] * spec.dtype.itemsize for shape, spec in zip(self.shapes, layout, strict=True)]
         for i, (storage, spec, shape) in enumerate(zip(storages, layout, self.shapes, strict=True)):
             if storage.dtype != spec.dtype or tuple(storage.shape[1:]) != (shape[0], shape[2]):
