@@ -28,7 +28,7 @@ import torch
 
 from models.base import ChunkedImport, GrowingKv, State, TreeSpan, close_span, end_import
 from models.kv_import import KvWriter
-from models.kv_layout import layer_kv_layout
+from models.kv_layout import layer_kv_layout, layout_order
 from models.pair import ModelPair
 from models.tokenizer import TextTokenizer
 from sampling import DraftToTargetMap
@@ -175,7 +175,7 @@ class HFCausalLM(ChunkedImport, GrowingKv):
             del state.tokens[length:]
 
     def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        live = [t[0] for pair in _layers(state.kv) for t in pair]  # [heads, seq, head_dim] each
+        live = [t[0] for t in layout_order(_layers(state.kv))]  # [heads, seq, head_dim] each
         return live if out is None else [o.copy_(t) for o, t in zip(out, live, strict=True)]
 
     def begin_import(self, tokens: Sequence[int], reserve: int) -> State:

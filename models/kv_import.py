@@ -1,4 +1,7 @@
-"""KV import a chunk at a time: wire bytes written straight into a model's own KV storage.
+"""KV between a model's own storage and the wire layout, both ways: the one conversion.
+
+Export is `gather`: the live slots of a storage as a wire tensor. Import goes a chunk at a
+time: wire bytes written straight into the storage (`KvWriter`).
 
 A KV tensor on the wire is `[kv_heads, seq, head_dim]` in C order, so any byte range of it is a
 run of (head, position) rows of `head_dim` elements that may start and end inside a row (a
@@ -30,6 +33,12 @@ from models.kv_layout import KvTensorSpec
 from sampling.transfer import Buffer, host_bytes, side_stream
 
 STAGING_BYTES = 4 << 20  # a GPU import's pinned and device staging buffers: the default --kv-chunk-bytes
+
+
+def gather(storage: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Wire tensor [kv_heads, n, head_dim] of the positions whose slots are `slots` ([n] int64,
+    on the storage's device) in `storage` [slots, kv_heads, head_dim]; not C-contiguous."""
+    return storage.index_select(0, slots).transpose(0, 1)
 
 
 class KvWriter:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 SEQ = "seq"  # placeholder for the number of positions in a KV tensor's shape
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -41,3 +43,9 @@ def layer_kv_layout(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
     """The layout of a transformer's cache: per layer its keys, then its values (tensor 2l and
     2l + 1), each [kv_heads, SEQ, head_dim]."""
     return tuple(KvTensorSpec(dtype, (kv_heads, SEQ, head_dim)) for _ in range(2 * layers))
+
+
+def layout_order(layers: Iterable[Iterable[T]]) -> list[T]:
+    """Each layer's (keys, values) flattened into layout order: tensor 2l is layer l's keys,
+    2l + 1 its values (a cache's per-layer pairs, or a paged pool's [layers, 2, ...] tensor)."""
+    return [t for pair in layers for t in pair]

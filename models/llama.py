@@ -32,7 +32,7 @@ from torch import nn
 
 from models.base import ChunkedImport, GrowingKv, State, batch_positions, close_span, end_import, live_rows
 from models.kv_import import KvWriter
-from models.kv_layout import layer_kv_layout
+from models.kv_layout import layer_kv_layout, layout_order
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
@@ -668,7 +668,7 @@ class LlamaCausalLM(ChunkedImport, GrowingKv):
 
     def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         cache, n = state.kv, state.kv.length
-        live = [t[:, :n] for pair in zip(cache.keys, cache.values, strict=True) for t in pair]
+        live = [t[:, :n] for t in layout_order(zip(cache.keys, cache.values, strict=True))]
         if out is None:
             return [t.clone() for t in live]
         return [o.copy_(t) for o, t in zip(out, live, strict=True)]
@@ -676,7 +676,7 @@ class LlamaCausalLM(ChunkedImport, GrowingKv):
     def begin_import(self, tokens: Sequence[int], reserve: int) -> State:
         seq = len(tokens)
         cache = self._new_cache(max(reserve, seq + 16))
-        storages = [t.transpose(0, 1) for pair in zip(cache.keys, cache.values, strict=True) for t in pair]
+        storages = [t.transpose(0, 1) for t in layout_order(zip(cache.keys, cache.values, strict=True))]
         writer = KvWriter(self.kv_layout, seq, storages, torch.arange(seq))  # [capacity, Hkv, D] views
         return State(tokens=list(tokens), kv=cache, importing=writer)
 
