@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, gil_holders, markdown_table, write_results
 from engine.paged_lm import PagedLlamaLM, bytes_per_token
+from models.kv_layout import kv_bytes, layer_kv_layout
 from models.llama import LlamaCausalLM, LlamaConfig, LlamaForCausalLM, layer_skip_draft
 from models.pair import ModelPair
 from models.tokenizer import ByteTokenizer
@@ -571,8 +572,9 @@ def gil_profile(client, batch: int, prompt: list[int], pids: dict[str, int], sec
 
 
 def bytes_per_token_of(shape: str) -> int:
-    s = SHAPES[shape]
-    return s["layers"] * 2 * s["kv"] * (s["hidden"] // s["heads"]) * 2
+    """A bfloat16 model's KV bytes per token, before any model of the shape is built."""
+    c = config_of(SHAPES[shape])
+    return kv_bytes(layer_kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, torch.bfloat16), 1)
 
 
 def node_sections(args, env, rows, tables) -> None:

@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, markdown_table, write_results
-from bench.gpu_e2e import SHAPES, bytes_per_token_of, random_model, serve
+from bench.gpu_e2e import SHAPES, random_model, serve
+from engine.paged_lm import bytes_per_token
 from models.llama import layer_skip_draft
 from models.pair import ModelPair
 from models.tokenizer import ByteTokenizer
@@ -55,7 +56,7 @@ def main() -> None:
     target = random_model(args.shape, device, dtype)
     pair = ModelPair(target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer())
     prompts = [int(p) for p in args.prompts.split(",")]
-    per_token = bytes_per_token_of(args.shape) * (2 if dtype == torch.float32 else 1) * 9 // 8  # + the draft's
+    per_token = bytes_per_token(target) * 9 // 8  # + the draft's
     kv_bytes = 2 * (max(prompts) + 64) * per_token
     rows, table = [], []
     for layerwise in (False, True):

@@ -47,9 +47,10 @@ MEMORY = ("prefill_extra", "prefill_heap", "decode_extra", "decode_heap")
 
 
 def contract():
-    from protos.contract import SEQ, Contract, KvTensorSpec
+    from models.kv_layout import layer_kv_layout
+    from protos.contract import Contract
 
-    layout = tuple(KvTensorSpec(DTYPE, (HEADS, SEQ, DIM)) for _ in range(2 * LAYERS))
+    layout = layer_kv_layout(LAYERS, HEADS, DIM, DTYPE)
     return Contract(32, 32, tuple(range(32)), "bench-llama-3-8b-shape", "bench-draft", layout)
 
 

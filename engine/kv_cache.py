@@ -70,10 +70,6 @@ class KvPool:
         self._free = list(range(num_blocks - 1, 0, -1))  # a stack: recently freed blocks first
         self._lock = threading.Lock()
 
-    @staticmethod
-    def bytes_per_block(layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-        return layers * 2 * block_size * kv_heads * head_dim * dtype.itemsize
-
     @property
     def free_blocks(self) -> int:
         return len(self._free)

@@ -3,9 +3,9 @@
 `PagedLlamaLM` is what both nodes serve for Llama-family models on any device: the module
 (models/llama.py) holds no cache; every request's KV lives in the model's `KvPool` (one
 preallocated tensor) under a block table. The wire KV goes straight between the pool and
-the `[kv_heads, seq, head_dim]` tensors of the contract (`export_state` gathers the live
-slots; an import writes the wire bytes, whole tensors or streamed chunks, into blocks reserved
-when it begins): no per-request cache object.
+the `[kv_heads, seq, head_dim]` tensors of the contract, converted by models/kv_import.py
+(`export_state` gathers the live slots; an import writes the wire bytes, whole tensors or
+streamed chunks, into blocks reserved when it begins): no per-request cache object.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import torch
 
 from engine.device import on_device
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
-from models.base import ChunkedImport, State, batch_positions, close_span, end_import, live_rows
-from models.kv_import import KvWriter
+from models.base import CausalLM, ChunkedImport, State, batch_positions, close_span, end_import, live_rows
+from models.kv_import import KvWriter, gather
+from models.kv_layout import kv_bytes, layout_order
 from models.llama import EAGER, LlamaCausalLM, compiled_pointwise
 from models.pair import ModelPair
 from sampling.transfer import HostCopy, pinned, to_device, to_host_async
@@ -164,6 +165,7 @@ class PagedLlamaLM(ChunkedImport):
         self.name, self.vocab_size = model.name, model.vocab_size
         self.eos_token_ids, self.kv_layout = model.eos_token_ids, model.kv_layout
         self.dtype, self.device = model.dtype, model.device
+        self._storages = layout_order(pool.kv)  # [slots, Hkv, D] views of the pool, in layout order
 
     @property
     def positions_computed(self) -> int:
@@ -190,7 +192,7 @@ class PagedLlamaLM(ChunkedImport):
         attention: str = "auto",
     ) -> PagedLlamaLM:
         c = model.config
-        per_block = KvPool.bytes_per_block(model.num_layers, c.num_kv_heads, c.head_dim, block_size, model.dtype)
+        per_block = block_size * bytes_per_token(model)  # a slot holds one position of every layout tensor
         num_blocks = kv_bytes // per_block
         if num_blocks < 2:  # one block is the scratch block
             raise ValueError(f"kv_cache_bytes: expected at least two blocks ({2 * per_block} bytes), got {kv_bytes}")
@@ -435,8 +437,7 @@ class PagedLlamaLM(ChunkedImport):
         return to_host_async(self._live(slots, index).contiguous())
 
     def _live(self, slots: torch.Tensor, index: int) -> torch.Tensor:
-        layer, kind = divmod(index, 2)
-        return self.pool.kv[layer, kind].index_select(0, slots).transpose(0, 1)  # [Hkv, n, D]
+        return gather(self._storages[index], slots)  # the one gather of both exports
 
     def begin_import(self, tokens: Sequence[int], reserve: int) -> State:
         """Blocks for `reserve` positions, taken at once (KvCacheFull and nothing taken if the pool
@@ -444,8 +445,7 @@ class PagedLlamaLM(ChunkedImport):
         seq = len(tokens)
         state = State(tokens=list(tokens), kv=PagedSeq())
         self.reserve(state, max(reserve, seq))
-        storages = [self.pool.kv[layer, kind] for layer in range(self.num_layers) for kind in (0, 1)]
-        state.importing = KvWriter(self.kv_layout, seq, storages, self.pool.slots(state.kv, 0, seq))
+        state.importing = KvWriter(self.kv_layout, seq, self._storages, self.pool.slots(state.kv, 0, seq))
         return state
 
     def finish_import(self, state: State) -> None:
@@ -500,6 +500,6 @@ def kv_pool_bytes(pair: ModelPair) -> int:
     return sum(m.pool.kv.nbytes for m in (pair.target, pair.draft) if isinstance(m, PagedLlamaLM))
 
 
-def bytes_per_token(model: LlamaCausalLM) -> int:
-    c = model.config
-    return model.num_layers * 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+def bytes_per_token(model: CausalLM) -> int:
+    """KV bytes of one position of the model: what its pool spends per token."""
+    return kv_bytes(model.kv_layout, 1)

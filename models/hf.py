@@ -28,9 +28,9 @@ import torch
 
 from models.base import ChunkedImport, GrowingKv, State, TreeSpan, close_span, end_import
 from models.kv_import import KvWriter
+from models.kv_layout import layer_kv_layout, layout_order
 from models.pair import ModelPair
 from models.tokenizer import TextTokenizer
-from protos.contract import SEQ, KvTensorSpec
 from sampling import DraftToTargetMap
 
 
@@ -59,7 +59,7 @@ class HFCausalLM(ChunkedImport, GrowingKv):
         self.name = f"hf:{path.name}:{_checkpoint_digest(path)}"
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.kv_layout = tuple(KvTensorSpec(dtype, (heads, SEQ, head_dim)) for _ in range(2 * config.num_hidden_layers))
+        self.kv_layout = layer_kv_layout(config.num_hidden_layers, heads, head_dim, dtype)
         self.output_mask = output_mask  # [V] bool: False = never proposed
         self.input_map = input_map  # [Vt] int64: target id -> this model's id
         self._cache_kwarg = (
@@ -175,7 +175,7 @@ class HFCausalLM(ChunkedImport, GrowingKv):
             del state.tokens[length:]
 
     def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        live = [t[0] for pair in _layers(state.kv) for t in pair]  # [heads, seq, head_dim] each
+        live = [t[0] for t in layout_order(_layers(state.kv))]  # [heads, seq, head_dim] each
         return live if out is None else [o.copy_(t) for o, t in zip(out, live, strict=True)]
 
     def begin_import(self, tokens: Sequence[int], reserve: int) -> State:

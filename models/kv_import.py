@@ -1,4 +1,7 @@
-"""KV import a chunk at a time: wire bytes written straight into a model's own KV storage.
+"""KV between a model's own storage and the wire layout, both ways: the one conversion.
+
+Export is `gather`: the live slots of a storage as a wire tensor. Import goes a chunk at a
+time: wire bytes written straight into the storage (`KvWriter`).
 
 A KV tensor on the wire is `[kv_heads, seq, head_dim]` in C order, so any byte range of it is a
 run of (head, position) rows of `head_dim` elements that may start and end inside a row (a
@@ -21,18 +24,21 @@ before the engine's first use of the request.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from protos.contract import KvTensorSpec
-from protos.wire import host_bytes
-from sampling.transfer import side_stream
+from models.kv_layout import KvTensorSpec
+from sampling.transfer import Buffer, host_bytes, side_stream
 
-Buffer = bytes | bytearray | memoryview
 STAGING_BYTES = 4 << 20  # a GPU import's pinned and device staging buffers: the default --kv-chunk-bytes
+
+
+def gather(storage: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Wire tensor [kv_heads, n, head_dim] of the positions whose slots are `slots` ([n] int64,
+    on the storage's device) in `storage` [slots, kv_heads, head_dim]; not C-contiguous."""
+    return storage.index_select(0, slots).transpose(0, 1)
 
 
 class KvWriter:
@@ -48,7 +54,7 @@ class KvWriter:
                 f"storages/slots: expected {len(layout)} storages and {seq} slots, got {len(storages)}/{len(slots)}"
             )
         self.shapes = [spec.shape_for(seq) for spec in layout]
-        self.sizes = [math.prod(shape) * spec.dtype.itemsize for shape, spec in zip(self.shapes, layout, strict=True)]
+        self.sizes = [spec.nbytes(seq) for spec in layout]
         self.rows = [shape[2] * spec.dtype.itemsize for shape, spec in zip(self.shapes, layout, strict=True)]
         for i, (storage, spec, shape) in enumerate(zip(storages, layout, self.shapes, strict=True)):
             if storage.dtype != spec.dtype or tuple(storage.shape[1:]) != (shape[0], shape[2]):

@@ -32,7 +32,7 @@ from torch import nn
 
 from models.base import ChunkedImport, GrowingKv, State, batch_positions, close_span, end_import, live_rows
 from models.kv_import import KvWriter
-from protos.contract import SEQ, KvTensorSpec
+from models.kv_layout import layer_kv_layout, layout_order
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
@@ -579,9 +579,7 @@ class LlamaCausalLM(ChunkedImport, GrowingKv):
         skip = f":layers={self.num_layers}" if self.num_layers < config.num_layers else ""
         self.source_digest = source_digest
         self.name = f"llama:{config.model_type}:{source_digest}:{dtype_name}{skip}"
-        self.kv_layout = tuple(
-            KvTensorSpec(self.dtype, (config.num_kv_heads, SEQ, config.head_dim)) for _ in range(2 * self.num_layers)
-        )
+        self.kv_layout = layer_kv_layout(self.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
         self.positions_computed = 0  # tokens run through the forward; KV import must not add to it
 
     def _new_cache(self, capacity: int) -> ContiguousKv:
@@ -670,7 +668,7 @@ class LlamaCausalLM(ChunkedImport, GrowingKv):
 
     def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         cache, n = state.kv, state.kv.length
-        live = [t[:, :n] for pair in zip(cache.keys, cache.values, strict=True) for t in pair]
+        live = [t[:, :n] for t in layout_order(zip(cache.keys, cache.values, strict=True))]
         if out is None:
             return [t.clone() for t in live]
         return [o.copy_(t) for o, t in zip(out, live, strict=True)]
@@ -678,7 +676,7 @@ class LlamaCausalLM(ChunkedImport, GrowingKv):
     def begin_import(self, tokens: Sequence[int], reserve: int) -> State:
         seq = len(tokens)
         cache = self._new_cache(max(reserve, seq + 16))
-        storages = [t.transpose(0, 1) for pair in zip(cache.keys, cache.values, strict=True) for t in pair]
+        storages = [t.transpose(0, 1) for t in layout_order(zip(cache.keys, cache.values, strict=True))]
         writer = KvWriter(self.kv_layout, seq, storages, torch.arange(seq))  # [capacity, Hkv, D] views
         return State(tokens=list(tokens), kv=cache, importing=writer)
 

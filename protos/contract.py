@@ -18,19 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from models.kv_layout import KvTensorSpec, kv_bytes
+
 PROTOCOL_VERSION = 1
-SEQ = "seq"  # placeholder for the prompt length in a KV tensor's shape
-
-
-@dataclass(frozen=True)
-class KvTensorSpec:
-    """One KV tensor the prefill node ships: dtype and shape, SEQ = prompt length."""
-
-    dtype: torch.dtype
-    shape: tuple[int | str, ...]
-
-    def shape_for(self, seq_len: int) -> tuple[int, ...]:
-        return tuple(seq_len if d == SEQ else int(d) for d in self.shape)
 
 
 @dataclass(frozen=True)
@@ -47,7 +37,7 @@ class Contract:
         return _fingerprint(self)
 
     def kv_bytes(self, seq_len: int) -> int:
-        return sum(torch.Size(s.shape_for(seq_len)).numel() * s.dtype.itemsize for s in self.kv_layout)
+        return kv_bytes(self.kv_layout, seq_len)
 
 
 @functools.lru_cache(maxsize=64)  # contracts are immutable; validation asks on every request

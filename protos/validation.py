@@ -23,11 +23,11 @@ from protos.codec import TORCH_DTYPES, WIRE_DTYPES, TensorDecodeError, decode_te
 from protos.contract import Contract
 from sampling import DraftToTargetMap, SamplingParams
 from sampling.params import InvalidParameter
+from sampling.transfer import Buffer
 from sampling.tree import MAX_TREE_NODES
 
 Encoding = pdspec_pb2.Proposal.Encoding
 DataType = pdspec_pb2.TensorPB.DataType
-Buffer = bytes | memoryview
 ROW_SUM_TOLERANCE = 1e-3
 # A shared-memory KV segment's name (protos/shm_kv.py makes them): only these files in
 # /dev/shm are ever opened or unlinked on a request's word.

@@ -33,11 +33,11 @@ from google.protobuf.message import DecodeError
 from protos import pdspec_pb2
 from protos.codec import WIRE_DTYPES
 from protos.validation import Violation
+from sampling.transfer import Buffer, host_bytes
 
 _LEN = 2
 _MAX_FIELD = (1 << 29) - 1
 PROPOSAL_TENSORS = (("probs", 3), ("sparse_ids", 4), ("sparse_probs", 5))
-Buffer = bytes | memoryview
 
 
 class WireError(ValueError):
@@ -65,23 +65,6 @@ def varint(value: int) -> bytes:
 
 def _len_field(number: int, parts: Sequence[Buffer]) -> list[Buffer]:
     return [varint(number << 3 | _LEN) + varint(sum(len(p) for p in parts)), *parts]
-
-
-def host_bytes(tensor: torch.Tensor) -> memoryview:
-    """A read-only byte view of `tensor`'s C-order contents; a copy only when it is not a
-    contiguous CPU tensor (a GPU tensor lands in pinned host memory)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-        host.copy_(t)
-        t = host
-    elif not t.is_contiguous():
-        t = t.contiguous()
-    if not t.numel():
-        return memoryview(b"")
-    if t.dtype is torch.bfloat16:  # numpy has no bfloat16: view the bytes first
-        t = t.reshape(-1).view(torch.uint8)
-    return memoryview(t.numpy()).cast("B").toreadonly()  # C order: the cast flattens it
 
 
 def tensor_header(tensor: torch.Tensor, out: pdspec_pb2.TensorPB) -> memoryview:

@@ -7,7 +7,8 @@ queued like a kernel and the host goes on queuing the step's work while the forw
 torch's pinned-memory cache keeps each staging buffer alive until its copy has run.
 The other way (`to_host_async`), a copy into pinned memory on a side stream lets the host
 queue more work (the next layers of a forward) while it runs, and wait only where the
-bytes are read.
+bytes are read. `host_bytes` views a tensor's contents as the bytes the wire sends and a KV
+import reads (`Buffer`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 # Asked once: torch.cuda.is_available() reads the environment and NVML on every call (~7 us,
 # about two dozen calls in a speculating step's small copies), and its answer cannot change.
 _gpu_present = functools.cache(torch.cuda.is_available)
+Buffer = bytes | bytearray | memoryview  # host bytes: a payload on the wire, a chunk of KV
 
 
 def pinned(tensor: torch.Tensor) -> torch.Tensor:
@@ -114,3 +116,20 @@ def to_host_async(tensor: torch.Tensor, limit: int = PINNED_EXPORT_BYTES, purpos
         done.record(stream)
     tensor.record_stream(stream)  # its memory is not reused before the copy has read it
     return HostCopy(host, done, tensor.device)
+
+
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A read-only byte view of `tensor`'s C-order contents; a copy only when it is not a
+    contiguous CPU tensor (a GPU tensor lands in pinned host memory)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+        host.copy_(t)
+        t = host
+    elif not t.is_contiguous():
+        t = t.contiguous()
+    if not t.numel():
+        return memoryview(b"")
+    if t.dtype is torch.bfloat16:  # numpy has no bfloat16: view the bytes first
+        t = t.reshape(-1).view(torch.uint8)
+    return memoryview(t.numpy()).cast("B").toreadonly()  # C order: the cast flattens it

@@ -2,7 +2,8 @@ import dataclasses
 
 import torch
 
-from protos.contract import SEQ, Contract, KvTensorSpec, max_message_bytes
+from models.kv_layout import SEQ, KvTensorSpec
+from protos.contract import Contract, max_message_bytes
 from tests.protos.factory import CONTRACT
 
 
