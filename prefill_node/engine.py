@@ -126,6 +126,7 @@ class Prefilled:
     kv: list[torch.Tensor] = field(default_factory=list)  # the exported KV (the wire's payloads view it)
     shm: SharedKvSegment | None = None  # --kv-transport shm: the KV's segment instead (the caller unlinks it)
     sent_bytes: int = 0  # KV bytes already handed to the caller's sink (layer by layer)
+    stream_kv: bool = False  # `kv` goes over DecodeStream after the header (else inline, by handle, or none)
 
     @property
     def decode_request(self) -> pdspec_pb2.DecodeRequest | None:
@@ -463,12 +464,13 @@ class PrefillEngine:
         header.first_token_id = job.seq.history[-1]
         wire = WireDecodeRequest(header)
         encoding = self._encode(proposal, job.checked.k, header, wire)
+        stream_kv = segment is None and bool(kv) and self.streams(kv)
         if segment is not None:
             header.kv_shm.CopyFrom(segment.handle)
-        elif not self.streams(kv):
+        elif not stream_kv:
             for i, tensor in enumerate(kv):
                 wire.set_tensor(f"kv_cache[{i}]", tensor)  # a view: no copy until the one join
-        return Prefilled(job.seq.history[-1], job.first_logprob, "", wire, encoding, kv, segment)
+        return Prefilled(job.seq.history[-1], job.first_logprob, "", wire, encoding, kv, segment, stream_kv=stream_kv)
 
     def streams(self, kv: list[torch.Tensor] | int) -> bool:
         """Whether this KV (tensors, or a byte count) goes over DecodeStream (see PrefillConfig.kv_streaming)."""

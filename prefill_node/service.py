@@ -200,7 +200,7 @@ class GenerationService:
         self.metrics.proposal_bytes.labels("prefill", prefilled.encoding.value).inc(wire.header.proposal.ByteSize())
         self.metrics.kv_bytes.labels("prefill").inc(prefilled.kv_bytes)
         if relay is None:  # else it opened before the prefill: the KV and the proposal are on their way
-            if len(wire.header.kv_cache) or not prefilled.kv:
+            if not prefilled.stream_kv:
                 relay = self.peer.stub.Decode(wire, timeout=decode_timeout(call))  # the KV inline, or its handle
             else:  # DecodeStream: header + manifest, then the KV in slices
                 chunks = stream_chunks(wire, prefilled.kv, self.engine.config.kv_chunk_bytes)
