@@ -34,7 +34,7 @@ import torch
 from engine import spec_step
 from engine.adaptive import QUEUED, AdaptiveK, BatchGate, StepCosts
 from engine.device import on_device
-from engine.prompt_lookup import ContextIndex, check_lookup_range
+from engine.prompt_lookup import check_lookup_range
 from engine.proposer import DRAFT, LOOKUP, PREFILL, SPECULATIVE_METHODS, Plan, Proposal, Proposer, check_tree_limits
 from engine.sequence import Sequence, Stats
 from models.base import import_tensors
@@ -161,7 +161,12 @@ class DecodeEngine:
         # checks, which would each make the host wait for the step's forward.
         self.verifier = verifier or Verifier(config.sampler_backend, config.device, check_values=False)
         self.proposer = Proposer.for_pair(
-            pair, config.speculative_method, config.draft_law, config.max_tree_nodes, config.device
+            pair,
+            config.speculative_method,
+            config.draft_law,
+            config.max_tree_nodes,
+            config.device,
+            (config.prompt_lookup_min, config.prompt_lookup_max),
         )
         self.costs = config.step_costs or StepCosts((1.0,) * (config.max_speculative_tokens + 1))
         # Prompt lookup with adaptive K: whether a batch speculates at all, from its measured steps.
@@ -506,8 +511,8 @@ class DecodeEngine:
         if seq.k and self.proposer.uses_draft:  # a request that never drafts needs no draft state
             seq.draft_state = self.pair.draft.prefill(seq.prompt)[1]
             self.pair.draft.reserve(seq.draft_state, request.kv_need)
-        if seq.k and self.proposer.method != DRAFT:
-            seq.lookup = ContextIndex(seq.history, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        if seq.k:
+            self.proposer.index(seq)
         if self.metrics:
             self.metrics.queue_time.labels("decode").observe(time.monotonic() - request.arrived)
             self.metrics.prompt_tokens.labels("decode").inc(len(seq.prompt))

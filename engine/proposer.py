@@ -39,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-from engine.prompt_lookup import ContextIndex, chains_to_tree
+from engine.prompt_lookup import ContextIndex, chains_to_tree, check_lookup_range
 from models.base import CausalLM, State
 from models.pair import ModelPair
 from sampling import DraftToTargetMap, RequestRng, SamplingParams, SamplingTensors, point_mass, propose_candidates
@@ -289,20 +289,34 @@ class Proposer:
         law: DraftLaw,
         trees: bool,
         max_tree_nodes: int = MAX_TREE_NODES,
+        lookup_range: tuple[int, int] = (2, 5),
     ) -> None:
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method: expected one of {SPECULATIVE_METHODS}, got {method!r}")
+        check_lookup_range(*lookup_range)
         self.method = method
         self.draft, self.d2t, self.law = draft, d2t, law
         self.trees = trees  # both models mask by tree: rows may ask for candidates
         self.max_tree_nodes = max_tree_nodes
+        self.lookup_range = lookup_range  # prompt lookup's n-gram lengths (--prompt-lookup-min/-max)
 
     @classmethod
     def for_pair(
-        cls, pair: ModelPair, method: str, law: DraftLaw, max_tree_nodes: int, device: str | torch.device
+        cls,
+        pair: ModelPair,
+        method: str,
+        law: DraftLaw,
+        max_tree_nodes: int,
+        device: str | torch.device,
+        lookup_range: tuple[int, int],
     ) -> Proposer:
         """A node's proposer: d2t on the node's device, trees where both models mask by tree."""
-        return cls(method, pair.draft, pair.d2t.to(device), law, pair.supports_trees, max_tree_nodes)
+        return cls(method, pair.draft, pair.d2t.to(device), law, pair.supports_trees, max_tree_nodes, lookup_range)
+
+    def index(self, row: Row) -> None:
+        """Give a row that may use prompt lookup its context index (over its history list)."""
+        if self.method != DRAFT:
+            row.lookup = ContextIndex(row.history, *self.lookup_range)
 
     @property
     def uses_draft(self) -> bool:

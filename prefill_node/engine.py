@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.device import on_device
-from engine.prompt_lookup import ContextIndex, check_lookup_range
+from engine.prompt_lookup import check_lookup_range
 from engine.proposer import DRAFT, SPECULATIVE_METHODS, Proposal, Proposer, check_tree_limits
 from engine.sequence import Sequence
 from models.pair import ModelPair
@@ -147,7 +147,12 @@ class PrefillEngine:
         self.fingerprint = self.contract.fingerprint()
         self.max_speculative_tokens = config.max_speculative_tokens
         self.proposer = Proposer.for_pair(
-            pair, config.speculative_method, config.draft_law, config.max_tree_nodes, config.device
+            pair,
+            config.speculative_method,
+            config.draft_law,
+            config.max_tree_nodes,
+            config.device,
+            (config.prompt_lookup_min, config.prompt_lookup_max),
         )
         self.max_draft_candidates = config.max_draft_candidates if self.trees else 1  # lowered to the peer's
         self._lock = threading.Lock()  # one caller runs the models at a time (they need not be thread-safe)
@@ -481,11 +486,10 @@ class PrefillEngine:
         """Each job's proposal after prompt + first token (engine/proposer.py): as deep as its K,
         or as its prompt-lookup match; the draft model's rows get a draft state over the prompt
         for the call."""
-        config, draft = self.config, self.pair.draft
+        draft = self.pair.draft
         seqs = [job.seq for job in jobs]
-        if config.speculative_method != DRAFT:
-            for seq in seqs:
-                seq.lookup = ContextIndex(seq.history, config.prompt_lookup_min, config.prompt_lookup_max)
+        for seq in seqs:
+            self.proposer.index(seq)
         plans = self.proposer.plan(seqs, [seq.k for seq in seqs])
         drafting = [seq for seq, plan in zip(seqs, plans, strict=True) if plan.source == DRAFT and plan.limit]
         try:
