@@ -57,11 +57,11 @@ from models.kv_import import Buffer
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from pdspec.stopping import finish_reason
+from pdspec.transfer import HostCopy, to_device, to_host_async
 from protos.validation import DecodeInput
 from sampling import RequestRng, SamplingParams, Verifier
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
-from sampling.transfer import HostCopy, to_device, to_host_async
 from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)

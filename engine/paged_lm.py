@@ -26,7 +26,7 @@ from models.base import ChunkedImport, State, batch_positions, close_span, end_i
 from models.kv_import import KvWriter
 from models.llama import EAGER, LlamaCausalLM, compiled_pointwise
 from models.pair import ModelPair
-from sampling.transfer import HostCopy, pinned, to_device, to_host_async
+from pdspec.transfer import HostCopy, pinned, to_device, to_host_async
 from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)

@@ -41,9 +41,9 @@ import torch
 
 from engine.prompt_lookup import ContextIndex, chains_to_tree
 from models.base import CausalLM, State
+from pdspec.transfer import to_device
 from sampling import DraftToTargetMap, RequestRng, SamplingParams, SamplingTensors, propose_candidates
 from sampling.proposal import DraftLaw
-from sampling.transfer import to_device
 from sampling.tree import MAX_TREE_NODES
 
 SPECULATIVE_METHODS = ("draft", "prompt-lookup", "hybrid")

@@ -27,9 +27,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pdspec.transfer import side_stream
 from protos.contract import KvTensorSpec
 from protos.wire import host_bytes
-from sampling.transfer import side_stream
 
 Buffer = bytes | bytearray | memoryview
 STAGING_BYTES = 4 << 20  # a GPU import's pinned and device staging buffers: the default --kv-chunk-bytes

@@ -27,6 +27,7 @@ from engine.proposer import DRAFT, SPECULATIVE_METHODS, Proposal, Proposer, chec
 from models.base import State
 from models.pair import ModelPair
 from pdspec.stopping import finish_reason
+from pdspec.transfer import HostCopy
 from protos import pdspec_pb2
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
 from protos.shm_kv import SharedKvSegment
@@ -43,7 +44,6 @@ from protos.wire import WireDecodeRequest, kv_manifest
 from sampling import RequestRng, SamplingParams, SamplingTensors, sample_target
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
-from sampling.transfer import HostCopy
 from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)

@@ -236,7 +236,7 @@ def layered_chunks(
 ) -> Iterator[HeaderChunkOut | KvChunkOut]:
     """The DecodeStream messages of a request whose KV is sent as it is computed: the header
     (`proposal_follows`), then each KV tensor in slices as `sink` yields it ((index, copy):
-    a sampling.transfer.HostCopy, waited for here, in the sending thread),
+    a pdspec.transfer.HostCopy, waited for here, in the sending thread),
     then the proposal when `sink` yields it (a WireDecodeRequest of first_token_id and
     proposal). `None` from `sink` ends the stream short: the decode node refuses it and frees
     what it reserved."""

@@ -334,7 +334,7 @@ def test_pinned_exports_are_bounded_and_released():
     gives its bytes back."""
     import gc
 
-    from sampling import transfer
+    from pdspec import transfer
 
     x = torch.randn(1024, device="cuda")  # 4 KiB
     limit = transfer._pinned[0] + 2 * 4096

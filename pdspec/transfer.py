@@ -8,6 +8,9 @@ torch's pinned-memory cache keeps each staging buffer alive until its copy has r
 The other way (`to_host_async`), a copy into pinned memory on a side stream lets the host
 queue more work (the next layers of a forward) while it runs, and wait only where the
 bytes are read.
+
+A leaf module (it imports nothing of the project's): the samplers' host -> device copies, the
+KV import and the engine all go through this one implementation (docs/design.md §1).
 """
 
 from __future__ import annotations
