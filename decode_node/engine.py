@@ -41,13 +41,13 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine.adaptive import QUEUED, AdaptiveK, BatchGate, StepCosts
 from engine.device import on_device
+from engine.options import SPECULATIVE_METHODS
 from engine.prompt_lookup import ContextIndex, check_lookup_range
 from engine.proposer import (
     DRAFT,
     LOOKUP,
     NO_PROPOSAL,
     PREFILL,
-    SPECULATIVE_METHODS,
     Proposal,
     Proposer,
     check_tree_limits,

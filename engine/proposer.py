@@ -39,6 +39,7 @@ from typing import Protocol
 
 import torch
 
+from engine.options import SPECULATIVE_METHODS
 from engine.prompt_lookup import ContextIndex, chains_to_tree
 from models.base import CausalLM, State
 from pdspec.transfer import to_device
@@ -46,7 +47,6 @@ from sampling import DraftToTargetMap, RequestRng, SamplingParams, SamplingTenso
 from sampling.proposal import DraftLaw
 from sampling.tree import MAX_TREE_NODES
 
-SPECULATIVE_METHODS = ("draft", "prompt-lookup", "hybrid")
 DRAFT, LOOKUP = "draft", "prompt-lookup"  # a proposal's source
 PROPOSAL_SOURCES = (DRAFT, LOOKUP)
 PREFILL = "prefill"  # the source of the proposal a decode node receives: the prefill node's

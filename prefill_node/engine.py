@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.device import on_device
+from engine.options import SPECULATIVE_METHODS
 from engine.prompt_lookup import ContextIndex, check_lookup_range
-from engine.proposer import DRAFT, SPECULATIVE_METHODS, Proposal, Proposer, check_tree_limits
+from engine.proposer import DRAFT, Proposal, Proposer, check_tree_limits
 from models.base import State
 from models.pair import ModelPair
 from pdspec.stopping import finish_reason
