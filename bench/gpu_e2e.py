@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, gil_holders, markdown_table, write_results
 from engine.paged_lm import PagedLlamaLM, bytes_per_token
-from models.kv_layout import kv_bytes, layer_kv_layout
 from models.llama import LlamaCausalLM, LlamaConfig, LlamaForCausalLM, layer_skip_draft
 from models.pair import ModelPair
 from models.tokenizer import ByteTokenizer
+from protos.kv_layout import kv_bytes, layer_kv_layout
 from sampling import DraftToTargetMap
 
 SHAPES = {

@@ -47,8 +47,8 @@ MEMORY = ("prefill_extra", "prefill_heap", "decode_extra", "decode_heap")
 
 
 def contract():
-    from models.kv_layout import layer_kv_layout
     from protos.contract import Contract
+    from protos.kv_layout import layer_kv_layout
 
     layout = layer_kv_layout(LAYERS, HEADS, DIM, DTYPE)
     return Contract(32, 32, tuple(range(32)), "bench-llama-3-8b-shape", "bench-draft", layout)

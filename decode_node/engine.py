@@ -34,18 +34,18 @@ import torch
 from engine import spec_step
 from engine.adaptive import QUEUED, AdaptiveK, BatchGate, StepCosts
 from engine.device import on_device
+from engine.options import SPECULATIVE_METHODS
 from engine.prompt_lookup import check_lookup_range
-from engine.proposer import DRAFT, LOOKUP, PREFILL, SPECULATIVE_METHODS, Plan, Proposal, Proposer, check_tree_limits
+from engine.proposer import DRAFT, LOOKUP, PREFILL, Plan, Proposal, Proposer, check_tree_limits
 from engine.sequence import Sequence, Stats
 from models.base import import_tensors
-from models.kv_import import Buffer
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
+from pdspec.transfer import Buffer, HostCopy, to_device, to_host_async
 from protos.validation import DecodeInput
 from sampling import RequestRng, SamplingParams, Verifier
 from sampling.logprobs import TokenLogprob
 from sampling.proposal import DraftLaw
-from sampling.transfer import HostCopy, to_device, to_host_async
 from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)

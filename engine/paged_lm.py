@@ -22,13 +22,13 @@ import torch
 
 from engine.device import on_device
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
+from engine.options import ATTENTION_BACKENDS, MAX_GRAPH_QUERIES
 from models.base import CausalLM, ChunkedImport, State, batch_positions, close_span, end_import, live_rows
 from models.kv_import import KvWriter, gather
-from models.kv_layout import kv_bytes, layout_order
 from models.llama import EAGER, LlamaCausalLM, compiled_pointwise
 from models.pair import ModelPair
-from sampling.transfer import HostCopy, pinned, to_device, to_host_async
-from sampling.tree import MAX_TREE_NODES
+from pdspec.transfer import HostCopy, pinned, to_device, to_host_async
+from protos.kv_layout import kv_bytes, layout_order
 
 log = logging.getLogger(__name__)
 BLOCK_SIZE = 16  # tokens per block: vLLM's default; small enough that waste per request is tiny
@@ -37,7 +37,6 @@ BLOCK_SIZE = 16  # tokens per block: vLLM's default; small enough that waste per
 # CUDA graph captured for (row bucket, tokens per row, key-width bucket); prompts and
 # ragged catch-ups run eagerly.
 MAX_GRAPH_ROWS = 256
-MAX_GRAPH_QUERIES = MAX_TREE_NODES + 1
 MIN_GRAPH_WIDTH = 256
 
 
@@ -125,9 +124,6 @@ class _Graph:
         if not on_host:
             self.tokens.copy_(tokens)
         self.meta.mask.copy_(pinned(meta.mask), non_blocking=True)
-
-
-ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
 
 
 def attention_backend(choice: str, device: torch.device, eager: bool) -> str:

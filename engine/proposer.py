@@ -39,15 +39,15 @@ from typing import Protocol
 
 import torch
 
+from engine.options import SPECULATIVE_METHODS
 from engine.prompt_lookup import ContextIndex, chains_to_tree, check_lookup_range
 from models.base import CausalLM, State
 from models.pair import ModelPair
+from pdspec.transfer import to_device
 from sampling import DraftToTargetMap, RequestRng, SamplingParams, SamplingTensors, point_mass, propose_candidates
 from sampling.proposal import DraftLaw
-from sampling.transfer import to_device
 from sampling.tree import MAX_TREE_NODES
 
-SPECULATIVE_METHODS = ("draft", "prompt-lookup", "hybrid")
 DRAFT, LOOKUP = "draft", "prompt-lookup"  # a proposal's source
 PROPOSAL_SOURCES = (DRAFT, LOOKUP)
 PREFILL = "prefill"  # the source of the proposal a decode node receives: the prefill node's

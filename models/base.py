@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from models.kv_import import Buffer, KvWriter
-from models.kv_layout import KvTensorSpec
+from protos.kv_layout import KvTensorSpec
 
 
 @dataclass

@@ -28,9 +28,9 @@ import torch
 
 from models.base import ChunkedImport, GrowingKv, State, TreeSpan, close_span, end_import
 from models.kv_import import KvWriter
-from models.kv_layout import layer_kv_layout, layout_order
 from models.pair import ModelPair
 from models.tokenizer import TextTokenizer
+from protos.kv_layout import layer_kv_layout, layout_order
 from sampling import DraftToTargetMap
 
 

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from models.kv_layout import KvTensorSpec
-from sampling.transfer import Buffer, host_bytes, side_stream
+from pdspec.transfer import Buffer, host_bytes, side_stream
+from protos.kv_layout import KvTensorSpec
 
 STAGING_BYTES = 4 << 20  # a GPU import's pinned and device staging buffers: the default --kv-chunk-bytes
 

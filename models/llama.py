@@ -32,7 +32,7 @@ from torch import nn
 
 from models.base import ChunkedImport, GrowingKv, State, batch_positions, close_span, end_import, live_rows
 from models.kv_import import KvWriter
-from models.kv_layout import layer_kv_layout, layout_order
+from protos.kv_layout import layer_kv_layout, layout_order
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from models.base import ChunkedImport, GrowingKv, State, close_span, extend_span
-from models.kv_layout import KvTensorSpec
 from models.pair import ModelPair
 from models.tokenizer import ByteTokenizer
+from protos.kv_layout import KvTensorSpec
 from sampling import DraftToTargetMap
 
 log = logging.getLogger(__name__)

@@ -39,8 +39,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
 def node_parser(role: str, port: int, metrics_port: int, description: str) -> EnvArgumentParser:
     """The flags both nodes share; each node adds its own."""
     import pdspec
-    from engine.paged_lm import ATTENTION_BACKENDS
-    from engine.proposer import SPECULATIVE_METHODS
+    from engine.options import ATTENTION_BACKENDS, SPECULATIVE_METHODS
     from sampling.proposal import DraftLaw
 
     parser = EnvArgumentParser(role, prog=f"python -m {role}_node", description=description)

@@ -80,7 +80,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from engine.proposer import SPECULATIVE_METHODS
+    from engine.options import SPECULATIVE_METHODS
 
     parser = argparse.ArgumentParser(
         prog="pdspec serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

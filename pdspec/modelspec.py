@@ -61,7 +61,7 @@ class ModelSpec:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a value in (0, 1], got {self.gpu_memory_utilization}")
         torch.device(self.device)  # raises on a malformed device string
-        from engine.paged_lm import ATTENTION_BACKENDS, MAX_GRAPH_QUERIES
+        from engine.options import ATTENTION_BACKENDS, MAX_GRAPH_QUERIES
 
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

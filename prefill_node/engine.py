@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.device import on_device
+from engine.options import SPECULATIVE_METHODS
 from engine.prompt_lookup import check_lookup_range
-from engine.proposer import DRAFT, SPECULATIVE_METHODS, Proposal, Proposer, check_tree_limits
+from engine.proposer import DRAFT, Proposal, Proposer, check_tree_limits
 from engine.sequence import Sequence
 from models.pair import ModelPair
+from pdspec.transfer import HostCopy
 from protos import pdspec_pb2
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
 from protos.shm_kv import SharedKvSegment
@@ -42,7 +44,6 @@ from protos.wire import WireDecodeRequest, kv_manifest
 from sampling import RequestRng, SamplingParams, SamplingTensors, sample_target
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
-from sampling.transfer import HostCopy
 from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.kv_layout import KvTensorSpec, kv_bytes
+from protos.kv_layout import KvTensorSpec, kv_bytes
 
 PROTOCOL_VERSION = 1
 

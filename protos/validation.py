@@ -6,6 +6,8 @@ or a list of `Violation`s (field path, expected, actual, status). Sizes are chec
 against len(data) with integer arithmetic before any tensor is allocated, so the only
 allocations driven by the message are the decoded tensors themselves (bounded by the
 message size) and the target-space probabilities (bounded by the node's K_max x V).
+The draft -> target vocabulary mapping is sampling's (`DraftToTargetMap`): the receiver's
+map is applied here, never re-implemented.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdspec.transfer import Buffer
 from protos import pdspec_pb2
 from protos.codec import TORCH_DTYPES, WIRE_DTYPES, TensorDecodeError, decode_tensor, dtype_name
 from protos.contract import Contract
 from sampling import DraftToTargetMap, SamplingParams
 from sampling.params import InvalidParameter
-from sampling.transfer import Buffer
 from sampling.tree import MAX_TREE_NODES
 
 Encoding = pdspec_pb2.Proposal.Encoding
@@ -399,9 +401,7 @@ def _decode_proposal(
         return None
     if not _check_distribution("proposal.sparse_probs", values, found):
         return None
-    target_ids = receiver.d2t_map.map_tokens(ids)  # [K, M]
-    out = torch.zeros(k, receiver.contract.target_vocab_size, dtype=torch.float32)
-    return out.scatter_add_(1, target_ids, values)  # CPU scatter-add: deterministic
+    return receiver.d2t_map.map_sparse(ids, values)
 
 
 def _check_distribution(name: str, probs: torch.Tensor, found: list[Violation]) -> bool:

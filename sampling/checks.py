@@ -154,11 +154,6 @@ def _check_values(
         raise ValueError(f"uniform_samples: expected values in [0, 1), got {float(outside[0])}")
 
 
-# Tree (multi-draft) verification, sampling/tree.py. The kernel walks a row's nodes one
-# after another, so N bounds a row's serial latency; 64 covers the multi-draft trees.
-MAX_TREE_NODES = 64
-
-
 @dataclass(frozen=True)
 class TreeDims:
     batch: int
@@ -177,16 +172,18 @@ def check_tree_inputs(
     recover_uniforms: torch.Tensor,
     do_sample: torch.Tensor,
     *,
+    max_nodes: int,
     check_values: bool = True,
 ) -> TreeDims:
     """Raise ValueError naming the argument, expected and actual value; return B, N, V.
 
     Entries of node n >= num_nodes[b] (and positions n + 1 > num_nodes[b]) are ignored
-    by the samplers, so the value checks skip them too.
+    by the samplers, so the value checks skip them too. `max_nodes` is
+    sampling.tree.MAX_TREE_NODES, passed in because tree.py imports this module.
     """
     batch, n, vocab = _target_dims(target_probs, "N")
-    if n > MAX_TREE_NODES:
-        raise ValueError(f"target_probs: expected N <= MAX_TREE_NODES = {MAX_TREE_NODES} tree nodes, got N = {n}")
+    if n > max_nodes:
+        raise ValueError(f"target_probs: expected N <= MAX_TREE_NODES = {max_nodes} tree nodes, got N = {n}")
     device = target_probs.device
     _check_tensor("draft_token_ids", draft_token_ids, rank=2, dtypes=_INT_DTYPES, shape=(batch, n), device=device)
     _check_tensor("parents", parents, rank=2, dtypes=_INT_DTYPES, shape=(batch, n), device=device)

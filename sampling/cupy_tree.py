@@ -21,7 +21,6 @@ import torch
 
 from sampling.categorical import CHUNK
 from sampling.cupy_sampler import _cupy_stream
-from sampling.tree import TreeResult
 
 SOURCE = Path(__file__).with_name("tree_kernel.cu")
 KERNEL_NAMES = {True: "tree_rejection_sample_dense", False: "tree_rejection_sample_point_mass"}  # by `dense`
@@ -77,7 +76,9 @@ def tree_rejection_sample_cupy(
     accept_uniforms: torch.Tensor,  # [B, N] float32
     recover_uniforms: torch.Tensor,  # [B, N+1] float32
     do_sample: torch.Tensor,  # [B] bool
-) -> TreeResult:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fields of `sampling.tree.TreeResult` (output_token_ids, accepted_token_num,
+    accepted_nodes): tree.py wraps them, as the backend it loads lazily must not import it back."""
     batch, n_nodes = draft_token_ids.shape
     vocab = target_probs.shape[-1]
     device = target_probs.device
@@ -143,4 +144,4 @@ def tree_rejection_sample_cupy(
         (np.frombuffer(params, _PARAMS_DTYPE),),
         stream=_cupy_stream(stream_ptr, index),
     )
-    return TreeResult(output_token_ids, accepted_token_num, accepted_nodes)
+    return output_token_ids, accepted_token_num, accepted_nodes

@@ -65,6 +65,12 @@ class DraftToTargetMap:
             out[..., level.target_ids] += draft_probs[..., level.draft_ids]
         return out
 
+    def map_sparse(self, draft_ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """A sparse proposal, [K, M] draft ids with their [K, M] float32 probabilities, as dense
+        [K, Vt] target-space rows. Scatter-added on the host, whose order is deterministic."""
+        out = torch.zeros(draft_ids.shape[0], self.target_vocab_size, dtype=torch.float32)
+        return out.scatter_add_(1, self.map_tokens(draft_ids), probs)
+
 
 def map_draft_probs_to_target(
     draft_probs: torch.Tensor, d2t: torch.Tensor | DraftToTargetMap, target_vocab_size: int

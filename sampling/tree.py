@@ -23,10 +23,15 @@ from dataclasses import dataclass
 import torch
 
 from sampling.categorical import inverse_cdf_sample
-from sampling.checks import MAX_TREE_NODES, check_tree_inputs
+from sampling.checks import check_tree_inputs
 from sampling.rejection import Backend, resolve_backend
 
 __all__ = ["MAX_TREE_NODES", "TreeResult", "tree_rejection_sample", "tree_rejection_sample_torch"]
+
+# The most nodes a tree may have, for every layer that sizes one (proposers, the wire validator,
+# CUDA graphs). The kernel walks a row's nodes one after another, so N bounds a row's serial
+# latency; 64 covers the multi-draft trees.
+MAX_TREE_NODES = 64
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ def tree_rejection_sample(
         recover_uniforms,
         do_sample,
     )
-    dims = check_tree_inputs(*args, check_values=check_values)
+    dims = check_tree_inputs(*args, max_nodes=MAX_TREE_NODES, check_values=check_values)
     if dims.batch == 0:
         return TreeResult(
             torch.empty(0, dims.num_nodes + 1, dtype=torch.int32, device=device),
@@ -90,7 +95,7 @@ def tree_rejection_sample(
         return tree_rejection_sample_torch(*args)
     from sampling.cupy_tree import tree_rejection_sample_cupy
 
-    return tree_rejection_sample_cupy(*args)
+    return TreeResult(*tree_rejection_sample_cupy(*args))
 
 
 def tree_rejection_sample_torch(

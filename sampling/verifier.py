@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pdspec.transfer import device_tensor, to_device
 from sampling.params import SamplingParams, SamplingTensors
 from sampling.rejection import Backend, RejectionSampler
 from sampling.rng import RequestRng, batch_uniforms
 from sampling.target_sampler import sample_target
-from sampling.transfer import device_tensor, to_device
 from sampling.tree import TreeResult, tree_rejection_sample
 
 

@@ -334,7 +334,7 @@ def test_pinned_exports_are_bounded_and_released():
     gives its bytes back."""
     import gc
 
-    from sampling import transfer
+    from pdspec import transfer
 
     x = torch.randn(1024, device="cuda")  # 4 KiB
     limit = transfer._pinned[0] + 2 * 4096
@@ -351,7 +351,7 @@ def test_an_import_into_freed_slots_follows_the_work_queued_on_them():
     flight, the KV move of a request that just left) may go to an import at once: the import's
     writes, on its own stream, land after that work, not under it."""
     from models.kv_import import KvWriter
-    from models.kv_layout import SEQ, KvTensorSpec
+    from protos.kv_layout import SEQ, KvTensorSpec
 
     seq, heads, dim = 64, 2, 64
     storage = torch.zeros(seq, heads, dim, device="cuda")  # [slots, Hkv, D]

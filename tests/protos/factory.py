@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from models.kv_layout import SEQ, KvTensorSpec
 from protos import pdspec_pb2
 from protos.codec import encode_tensor
 from protos.contract import Contract
+from protos.kv_layout import SEQ, KvTensorSpec
 from protos.proposal import ProposalEncoding, encode_proposal
 from protos.validation import Receiver
 

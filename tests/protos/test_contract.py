@@ -2,8 +2,8 @@ import dataclasses
 
 import torch
 
-from models.kv_layout import SEQ, KvTensorSpec
 from protos.contract import Contract, max_message_bytes
+from protos.kv_layout import SEQ, KvTensorSpec
 from tests.protos.factory import CONTRACT
 
 

@@ -9,6 +9,9 @@ The other way (`to_host_async`), a copy into pinned memory on a side stream lets
 queue more work (the next layers of a forward) while it runs, and wait only where the
 bytes are read. `host_bytes` views a tensor's contents as the bytes the wire sends and a KV
 import reads (`Buffer`).
+
+A leaf module (it imports nothing of the project's): the samplers' host -> device copies, the
+KV import and the engine all go through this one implementation (docs/design.md §1).
 """
 
 from __future__ import annotations
