@@ -63,7 +63,7 @@ class DecodeConfig:
     sampler_backend: str = "auto"
     device: str = "cpu"
     async_scheduling: str = "auto"  # on | off | auto (on where the device is a GPU)
-    speculative_method: str = "draft"  # engine/proposer.SPECULATIVE_METHODS
+    speculative_method: str = "draft"  # engine/options.SPECULATIVE_METHODS
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     adaptive_k: str = "auto"  # on | off | auto (on for prompt-lookup and hybrid)

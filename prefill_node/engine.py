@@ -79,7 +79,7 @@ class PrefillConfig:
     max_prefill_tokens: int = 8192  # prompt tokens per prefill step, over all batched requests (chunking)
     limits: RequestLimits = field(default_factory=RequestLimits)
     device: str = "cpu"  # where sampling runs: the models' device
-    speculative_method: str = "draft"  # engine/proposer.SPECULATIVE_METHODS
+    speculative_method: str = "draft"  # engine/options.SPECULATIVE_METHODS
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
 
