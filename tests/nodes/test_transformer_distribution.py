@@ -18,6 +18,7 @@ import torch
 
 from models.loader import load_pair
 from sampling.proposal import DraftLaw
+from tests.models.hf_fixtures import make_family_checkpoint
 from tests.nodes.harness import generate_many, generate_many_verifiers, target_probs
 from tests.sampling.helpers import ALPHA, biased_rejection_sample, chi_square_pvalue
 
@@ -29,35 +30,27 @@ K = 2
 PROMPT = [3, 7, 11, 2, 5]
 
 
+def sharp_init(model) -> None:
+    """N(0, 1) embeddings, N(0, 0.35) head (logit std ~2 over 24 ids), N(0, 0.2) attention / MLP
+    weights (instead of transformers' 0.02, so attention mixes); norms left at 1."""
+    for name, param in model.named_parameters():
+        if "norm" not in name:
+            param.normal_(0, 1.0 if "embed" in name else 0.35 if "lm_head" in name else 0.2)
+
+
 def make_sharp_llama(directory, *, seed: int = 5):
     """A 2-layer random Llama whose next-token law is neither flat nor near-deterministic and
-    depends on the context: N(0, 1) embeddings, N(0, 0.35) head (logit std ~2 over 24 ids),
-    N(0, 0.2) attention / MLP weights (instead of transformers' 0.02, so attention mixes)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.models.hf_fixtures import make_tokenizer
-
-    config = LlamaConfig(
+    depends on the context (sharp_init), with no stop token: every request runs its 2 tokens."""
+    return make_family_checkpoint(
+        directory,
+        seed=seed,
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden=32,
         max_position_embeddings=64,
-        eos_token_id=None,  # no stop token: every request runs its 2 tokens
-        bos_token_id=0,
-        tie_word_embeddings=False,
+        eos_token_id=None,
+        init=sharp_init,
+        words=[f"w{i}" for i in range(VOCAB - 2)],
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0, 1.0 if "embed" in name else 0.35 if "lm_head" in name else 0.2)
-    model.save_pretrained(directory)
-    make_tokenizer(directory, [f"w{i}" for i in range(VOCAB - 2)])
-    return directory
 
 
 @pytest.fixture(scope="module", autouse=True)
