@@ -5,7 +5,7 @@ import torch
 
 from sampling import RejectionSampler, rejection_sample
 from sampling.cupy_sampler import chunk_size
-from tests.sampling.gpu_inputs import gpu_inputs
+from tests.sampling.helpers import gpu_inputs
 from tests.sampling.stat_cases import check_sampler
 
 pytestmark = pytest.mark.gpu

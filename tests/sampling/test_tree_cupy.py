@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sampling import DraftLaw, rejection_sample, tree_rejection_sample
-from tests.sampling.gpu_inputs import gpu_inputs
+from tests.sampling.helpers import gpu_inputs
 from tests.sampling.tree_inputs import chain_tree, random_tree_inputs
 from tests.sampling.tree_stats import check_tree_sampler
 
