@@ -1,6 +1,7 @@
 """Exact speculative decoding on a transformer: the joint distribution of the first 2 tokens
-over 20,000 seeded requests through the real prefill and decode engines (serialized
-DecodeRequests, the validator, the batched decode engine: tests/nodes/harness.py) matches the
+over 20,000 seeded requests (5,000 for point-mass drafts in make test: POINT_MASS_SAMPLES)
+through the real prefill and decode engines (serialized DecodeRequests, the validator, the
+batched decode engine: tests/nodes/harness.py) matches the
 probabilities a tiny random Llama (pdspec's own modules, fp32) assigns at temperature 1, for
 both draft laws with K = 2 and a layer-skip draft (its first layer); the same test catches a
 verifier that lets equal ids bypass the ratio test.
@@ -25,6 +26,14 @@ from tests.sampling.helpers import ALPHA, biased_rejection_sample, chi_square_pv
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 SAMPLES = 20_000
+# Point-mass drafts in make test: 5,000 requests (20,000 under make test-slow). Power: the biased
+# verifier accepts every point-mass draft (the greedy rule) whatever the target drew; measured
+# at 2,500 requests its p-value underflows to 0.0 (< 1e-308) and the chi-square's
+# noncentrality grows linearly with the sample, so at 5,000 it is caught with p < 1e-308 far
+# below alpha; the real verifier: p = 0.73 / 0.87 / 0.28 / 0.26 at 2,500 / 5,000 / 10,000 /
+# 20,000. The stochastic law stays at 20,000: its biased verifier (equal ids bypass the ratio)
+# gives p = 9e-11 at 20,000 but only 1.5e-3 at 10,000.
+POINT_MASS_SAMPLES = 5_000
 VOCAB = 24
 K = 2
 PROMPT = [3, 7, 11, 2, 5]
@@ -75,12 +84,12 @@ def joint(pair) -> np.ndarray:
     return np.stack([first[t] * target_probs(pair, [*PROMPT, t]) for t in range(VOCAB)])
 
 
-def two_token_outputs(pair, law: DraftLaw, samplers, **kwargs) -> list[list[list[int]]]:
-    """The first 2 tokens of SAMPLES seeded K = 2 requests, once per verifier in `samplers`
+def two_token_outputs(pair, law: DraftLaw, samplers, samples: int = SAMPLES, **kwargs) -> list[list[list[int]]]:
+    """The first 2 tokens of `samples` seeded K = 2 requests, once per verifier in `samplers`
     (None = the real one), through the memoized harness; `kwargs` go to the harness (device,
     backend, candidates)."""
     return generate_many_verifiers(
-        pair, PROMPT, range(SAMPLES), k=K, law=law, max_new_tokens=2, samplers=samplers, memoize=True, **kwargs
+        pair, PROMPT, range(samples), k=K, law=law, max_new_tokens=2, samplers=samplers, memoize=True, **kwargs
     )
 
 
@@ -117,12 +126,19 @@ def test_memoized_harness_is_exact(pair):
         assert plain == memo and all(len(out) == 4 for out in plain)
 
 
-@pytest.mark.parametrize("law", list(DraftLaw), ids=lambda law: law.value)
-def test_joint_distribution_is_the_transformers_and_a_biased_verifier_is_caught(pair, joint, law):
-    """The same 20,000 prefilled requests verified by the real sampler and by the biased one
-    (one test, so that no two workers compute the same outputs)."""
-    real, biased = two_token_outputs(pair, law, [None, biased_rejection_sample])
+@pytest.mark.parametrize(
+    ("law", "samples"),
+    [
+        pytest.param(DraftLaw.STOCHASTIC, SAMPLES, id="stochastic"),
+        pytest.param(DraftLaw.POINT_MASS, POINT_MASS_SAMPLES, id="point-mass"),
+        pytest.param(DraftLaw.POINT_MASS, SAMPLES, id="point-mass-20000", marks=pytest.mark.slow),
+    ],
+)
+def test_joint_distribution_is_the_transformers_and_a_biased_verifier_is_caught(pair, joint, law, samples):
+    """The same prefilled requests verified by the real sampler and by the biased one (one
+    test, so that no two workers compute the same outputs)."""
+    real, biased = two_token_outputs(pair, law, [None, biased_rejection_sample], samples)
     real_p, biased_p = joint_pvalue(real, joint), joint_pvalue(biased, joint)
-    print(f"{law.value}: real verifier p = {real_p:.3g}, biased verifier p = {biased_p:.3g}")
+    print(f"{law.value}, {samples}: real verifier p = {real_p:.3g}, biased verifier p = {biased_p:.3g}")
     assert real_p > ALPHA
     assert biased_p < ALPHA
