@@ -4,6 +4,7 @@ a time (the validation tests), the biased sampler, chi-square."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from scipy import stats
 
@@ -12,6 +13,10 @@ from tests.sampling.tree_inputs import NAMES as TREE_NAMES
 from tests.sampling.tree_inputs import random_tree_inputs
 
 ALPHA = 1e-6
+# The verification backends, for tests that hold each of them to the same checks: the torch
+# reference everywhere, the CuPy kernels on a GPU (make test-gpu).
+BACKENDS = [pytest.param("torch", id="torch"), pytest.param("cupy", id="cupy", marks=pytest.mark.gpu)]
+BACKEND_DEVICE = {"torch": "cpu", "cupy": "cuda"}
 # The argument order of rejection_sample.
 CHAIN_NAMES = ["draft_token_ids", "draft_probs", "target_probs", "target_token_ids", "uniform_samples", "do_sample"]
 
