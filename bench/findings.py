@@ -29,14 +29,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS, environment, write_results
+from bench.nodes import Reader, cluster, drain, start_decode, wait_until
 from bench.soak import free_port, health
 from decode_node.engine import DecodeConfig
 from models.loader import load_pair
 from prefill_node.server import PrefillNodeConfig
 from prefill_node.server import run_server as run_prefill
 from protos import pdspec_pb2, pdspec_pb2_grpc
-from tests.nodes.conftest import cluster, drain, wait_until
-from tests.nodes.test_reliability import Reader, start_decode
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 LONG = 4096

@@ -43,20 +43,21 @@ FLASHINFER_US = {
 }
 
 
-def make_inputs(batch: int, k: int, vocab: int, dense: bool, seed: int = 0):
-    """Reference-figure inputs (docs/design.md §7): q = softmax(3 randn); p a noisy copy (dense) or its argmax."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    logits = 3 * torch.randn(batch, k + 1, vocab, generator=gen, device="cuda")
+def make_inputs(batch: int, k: int, vocab: int, dense: bool, seed: int = 0, device: str = "cuda"):
+    """Reference-figure inputs (docs/design.md §7): q = softmax(3 randn); p a noisy copy (dense) or its argmax;
+    every row stochastic. Generated on `device` (bench/sampling_cpu.py uses them on the CPU)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = 3 * torch.randn(batch, k + 1, vocab, generator=gen, device=device)
     target_probs = torch.softmax(logits, -1)
-    draft_probs = torch.softmax(logits[:, :k] + torch.randn(batch, k, vocab, generator=gen, device="cuda"), -1)
+    draft_probs = torch.softmax(logits[:, :k] + torch.randn(batch, k, vocab, generator=gen, device=device), -1)
     draft_ids = (
         torch.multinomial(draft_probs.view(-1, vocab), 1, generator=gen).view(batch, k)
         if dense
         else draft_probs.argmax(-1)
     )
     target_ids = torch.multinomial(target_probs.view(-1, vocab), 1, generator=gen).view(batch, k + 1)
-    uniforms = torch.rand(batch, k + 1, generator=gen, device="cuda")
-    do_sample = torch.ones(batch, dtype=torch.bool, device="cuda")
+    uniforms = torch.rand(batch, k + 1, generator=gen, device=device)
+    do_sample = torch.ones(batch, dtype=torch.bool, device=device)
     return draft_ids, draft_probs if dense else None, target_probs, target_ids, uniforms, do_sample
 
 

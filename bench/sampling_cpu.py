@@ -13,9 +13,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, markdown_table, median_ms, write_results
-from bench.naive import rejection_sample_loop
+from bench.kernel import make_inputs
 from sampling import rejection_sample
-from tests.sampling.helpers import random_inputs
+from sampling.naive import rejection_sample_loop
 
 CASES = [(1, 4, 32000), (16, 4, 32000), (64, 4, 128256)]
 
@@ -26,7 +26,7 @@ def main() -> None:
     for batch, k, vocab in CASES:
         for dense in (True, False):
             # All-stochastic rows with a real rejection rate: the residual pass is exercised.
-            args = random_inputs(batch, k, vocab, seed=0, dense=dense, greedy_fraction=0.0)
+            args = make_inputs(batch, k, vocab, dense, device="cpu")
             ref_ms = median_ms(lambda a=args: rejection_sample(*a, backend="torch"))
             loop_ms = median_ms(lambda a=args: rejection_sample_loop(*a), warmup=1, repeat=5)
             mode = "dense" if dense else "point mass"

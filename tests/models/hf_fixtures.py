@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,34 +66,6 @@ def make_tokenizer(directory: Path, words: list[str]):
     return tokenizer
 
 
-def make_llama(
-    directory: Path, vocab_size: int, *, seed: int, layers: int = 2, hidden: int = 32, words: list[str] | None = None
-) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    directory.mkdir(parents=True, exist_ok=True)
-    if words is not None:
-        make_tokenizer(directory, words)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=1,
-        bos_token_id=0,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # sharper than the default init, so greedy and sampling are not flat
-        model.lm_head.weight.mul_(20)
-    model.save_pretrained(directory)
-    return directory
-
-
 def make_pair_dirs(root: Path, *, draft_kind: str) -> tuple[Path, Path]:
     """A target with the full word vocabulary and a draft that either shares its input
     vocabulary with a reduced head + d2t.json ("d2t"), or has its own smaller tokenizer
@@ -116,19 +89,28 @@ def make_pair_dirs(root: Path, *, draft_kind: str) -> tuple[Path, Path]:
 
 def make_family_checkpoint(
     directory: Path,
-    model_type: str,
+    model_type: str = "llama",
     *,
     seed: int = 0,
     layers: int = 2,
     vocab_size: int = 96,
     hidden: int = 64,
     max_shard_size: str | None = None,
+    head_scale: float = 8.0,
+    init: Callable[[torch.nn.Module], None] | None = None,
+    words: list[str] | None = None,
     **overrides,
 ) -> Path:
-    """A tiny random Llama / Qwen2 / Mistral checkpoint (safetensors) with `overrides` on its
-    transformers config (rope_scaling, tie_word_embeddings, attention_bias, sliding_window...)."""
+    """The one builder of tiny random checkpoints (safetensors): a Llama / Qwen2 / Mistral with
+    `overrides` on its transformers config (rope_scaling, tie_word_embeddings, attention_bias,
+    sliding_window, eos_token_id...), seeded. Weights: transformers' init with the output head
+    scaled by `head_scale` and zero-initialized biases drawn N(0, 0.1), or `init(model)` instead
+    when given. `words`: a word-level tokenizer saved beside it (make_tokenizer)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
+    directory.mkdir(parents=True, exist_ok=True)
+    if words is not None:
+        make_tokenizer(directory, words)
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[model_type]
     config = config_class(
         vocab_size=vocab_size,
@@ -137,19 +119,33 @@ def make_family_checkpoint(
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=overrides.pop("max_position_embeddings", 256),
-        eos_token_id=1,
-        bos_token_id=0,
-        **{"tie_word_embeddings": False, **overrides},
+        **{
+            "max_position_embeddings": 256,
+            "eos_token_id": 1,
+            "bos_token_id": 0,
+            "tie_word_embeddings": False,
+            **overrides,
+        },
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # sharper than the default init, so greedy continuations are not near-ties
-        model.get_output_embeddings().weight.mul_(8)
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.1)  # zero-initialized by default: make the bias path visible
-    directory.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        if init is not None:
+            init(model)
+        else:  # sharper than the default init, so greedy continuations are not near-ties
+            model.get_output_embeddings().weight.mul_(head_scale)
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0, 0.1)  # zero-initialized by default: make the bias path visible
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(directory, **kwargs)
     return directory
+
+
+def make_llama(
+    directory: Path, vocab_size: int, *, seed: int, layers: int = 2, hidden: int = 32, words: list[str] | None = None
+) -> Path:
+    """A tiny Llama with a sharper head (x20: sampling is not flat), for the pair tests."""
+    return make_family_checkpoint(
+        directory, seed=seed, layers=layers, vocab_size=vocab_size, hidden=hidden, head_scale=20, words=words
+    )

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
-from bench.common import heap_in_use
+
 from decode_node.engine import DecodeConfig
 from decode_node.server import DecodeNodeConfig
 from decode_node.server import run_server as run_decode
@@ -33,6 +33,7 @@ from protos import pdspec_pb2, shm_kv, wire
 from protos.contract import PROTOCOL_VERSION
 from protos.rpc import DecodeStub
 from protos.status import field_violations
+from tests.heap import heap_in_use
 from tests.models.hf_fixtures import make_family_checkpoint, make_tokenizer
 from tests.nodes.conftest import wait_until
 

@@ -4,7 +4,6 @@ message), and every broken upload refused with its status, nothing left reserved
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -109,8 +108,9 @@ def test_client_cancel_mid_upload_is_cancelled_and_frees_everything(streaming_no
 
     cancelled = decode.metrics.requests.labels("decode", "CANCELLED")._value.get()
     call = stub.DecodeStream(slow(), timeout=30)
-    assert sent.wait(5)
-    time.sleep(0.2)
+    assert sent.wait(60)
+    # Cancelled mid-upload: once decode holds the first chunks' KV blocks.
+    wait_until(lambda: decode.engine.pair.target.pool.used_blocks > 0, timeout=60, what="the upload's reservation")
     call.cancel()
     hold.set()
     with pytest.raises(grpc.RpcError) as err:

@@ -1,6 +1,7 @@
 """Exact speculative decoding on a transformer: the joint distribution of the first 2 tokens
-over 20,000 seeded requests through the real prefill and decode engines (serialized
-DecodeRequests, the validator, the batched decode engine: tests/nodes/harness.py) matches the
+over 20,000 seeded requests (5,000 for point-mass drafts in make test: POINT_MASS_SAMPLES)
+through the real prefill and decode engines (serialized DecodeRequests, the validator, the
+batched decode engine: tests/nodes/harness.py) matches the
 probabilities a tiny random Llama (pdspec's own modules, fp32) assigns at temperature 1, for
 both draft laws with K = 2 and a layer-skip draft (its first layer); the same test catches a
 verifier that lets equal ids bypass the ratio test.
@@ -18,46 +19,47 @@ import torch
 
 from models.loader import load_pair
 from sampling.proposal import DraftLaw
+from tests.models.hf_fixtures import make_family_checkpoint
 from tests.nodes.harness import generate_many, generate_many_verifiers, target_probs
 from tests.sampling.helpers import ALPHA, biased_rejection_sample, chi_square_pvalue
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 SAMPLES = 20_000
+# Point-mass drafts in make test: 5,000 requests (20,000 under make test-slow). Power: the biased
+# verifier accepts every point-mass draft (the greedy rule) whatever the target drew; measured
+# at 2,500 requests its p-value underflows to 0.0 (< 1e-308) and the chi-square's
+# noncentrality grows linearly with the sample, so at 5,000 it is caught with p < 1e-308 far
+# below alpha; the real verifier: p = 0.73 / 0.87 / 0.28 / 0.26 at 2,500 / 5,000 / 10,000 /
+# 20,000. The stochastic law stays at 20,000: its biased verifier (equal ids bypass the ratio)
+# gives p = 9e-11 at 20,000 but only 1.5e-3 at 10,000.
+POINT_MASS_SAMPLES = 5_000
 VOCAB = 24
 K = 2
 PROMPT = [3, 7, 11, 2, 5]
 
 
+def sharp_init(model) -> None:
+    """N(0, 1) embeddings, N(0, 0.35) head (logit std ~2 over 24 ids), N(0, 0.2) attention / MLP
+    weights (instead of transformers' 0.02, so attention mixes); norms left at 1."""
+    for name, param in model.named_parameters():
+        if "norm" not in name:
+            param.normal_(0, 1.0 if "embed" in name else 0.35 if "lm_head" in name else 0.2)
+
+
 def make_sharp_llama(directory, *, seed: int = 5):
     """A 2-layer random Llama whose next-token law is neither flat nor near-deterministic and
-    depends on the context: N(0, 1) embeddings, N(0, 0.35) head (logit std ~2 over 24 ids),
-    N(0, 0.2) attention / MLP weights (instead of transformers' 0.02, so attention mixes)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.models.hf_fixtures import make_tokenizer
-
-    config = LlamaConfig(
+    depends on the context (sharp_init), with no stop token: every request runs its 2 tokens."""
+    return make_family_checkpoint(
+        directory,
+        seed=seed,
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden=32,
         max_position_embeddings=64,
-        eos_token_id=None,  # no stop token: every request runs its 2 tokens
-        bos_token_id=0,
-        tie_word_embeddings=False,
+        eos_token_id=None,
+        init=sharp_init,
+        words=[f"w{i}" for i in range(VOCAB - 2)],
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0, 1.0 if "embed" in name else 0.35 if "lm_head" in name else 0.2)
-    model.save_pretrained(directory)
-    make_tokenizer(directory, [f"w{i}" for i in range(VOCAB - 2)])
-    return directory
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,12 +84,12 @@ def joint(pair) -> np.ndarray:
     return np.stack([first[t] * target_probs(pair, [*PROMPT, t]) for t in range(VOCAB)])
 
 
-def two_token_outputs(pair, law: DraftLaw, samplers, **kwargs) -> list[list[list[int]]]:
-    """The first 2 tokens of SAMPLES seeded K = 2 requests, once per verifier in `samplers`
+def two_token_outputs(pair, law: DraftLaw, samplers, samples: int = SAMPLES, **kwargs) -> list[list[list[int]]]:
+    """The first 2 tokens of `samples` seeded K = 2 requests, once per verifier in `samplers`
     (None = the real one), through the memoized harness; `kwargs` go to the harness (device,
     backend, candidates)."""
     return generate_many_verifiers(
-        pair, PROMPT, range(SAMPLES), k=K, law=law, max_new_tokens=2, samplers=samplers, memoize=True, **kwargs
+        pair, PROMPT, range(samples), k=K, law=law, max_new_tokens=2, samplers=samplers, memoize=True, **kwargs
     )
 
 
@@ -124,12 +126,19 @@ def test_memoized_harness_is_exact(pair):
         assert plain == memo and all(len(out) == 4 for out in plain)
 
 
-@pytest.mark.parametrize("law", list(DraftLaw), ids=lambda law: law.value)
-def test_joint_distribution_is_the_transformers_and_a_biased_verifier_is_caught(pair, joint, law):
-    """The same 20,000 prefilled requests verified by the real sampler and by the biased one
-    (one test, so that no two workers compute the same outputs)."""
-    real, biased = two_token_outputs(pair, law, [None, biased_rejection_sample])
+@pytest.mark.parametrize(
+    ("law", "samples"),
+    [
+        pytest.param(DraftLaw.STOCHASTIC, SAMPLES, id="stochastic"),
+        pytest.param(DraftLaw.POINT_MASS, POINT_MASS_SAMPLES, id="point-mass"),
+        pytest.param(DraftLaw.POINT_MASS, SAMPLES, id="point-mass-20000", marks=pytest.mark.slow),
+    ],
+)
+def test_joint_distribution_is_the_transformers_and_a_biased_verifier_is_caught(pair, joint, law, samples):
+    """The same prefilled requests verified by the real sampler and by the biased one (one
+    test, so that no two workers compute the same outputs)."""
+    real, biased = two_token_outputs(pair, law, [None, biased_rejection_sample], samples)
     real_p, biased_p = joint_pvalue(real, joint), joint_pvalue(biased, joint)
-    print(f"{law.value}: real verifier p = {real_p:.3g}, biased verifier p = {biased_p:.3g}")
+    print(f"{law.value}, {samples}: real verifier p = {real_p:.3g}, biased verifier p = {biased_p:.3g}")
     assert real_p > ALPHA
     assert biased_p < ALPHA

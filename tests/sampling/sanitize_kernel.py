@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sampling import rejection_sample, tree_rejection_sample
-from tests.sampling.gpu_inputs import gpu_inputs
+from tests.sampling.helpers import gpu_inputs
 from tests.sampling.tree_inputs import random_tree_inputs
 
 

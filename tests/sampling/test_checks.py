@@ -4,19 +4,9 @@ import pytest
 import torch
 
 from sampling import rejection_sample
-from tests.sampling.helpers import random_inputs
-
-NAMES = ["draft_token_ids", "draft_probs", "target_probs", "target_token_ids", "uniform_samples", "do_sample"]
-
-
-def good():
-    return list(random_inputs(4, 3, 11, seed=0))
-
-
-def with_arg(name, value):
-    args = good()
-    args[NAMES.index(name)] = value
-    return args
+from tests.sampling.helpers import CHAIN_NAMES as NAMES
+from tests.sampling.helpers import good_chain_args as good
+from tests.sampling.helpers import with_arg
 
 
 @pytest.mark.parametrize(
@@ -40,7 +30,7 @@ def with_arg(name, value):
 )
 def test_structural_errors_name_the_argument(name, value, expected):
     with pytest.raises(ValueError, match=name) as err:
-        rejection_sample(*with_arg(name, value))
+        rejection_sample(*with_arg(good(), NAMES, name, value))
     assert expected in str(err.value)
 
 
@@ -67,12 +57,8 @@ def test_target_probs_with_empty_vocab():
     ],
 )
 def test_value_errors(name, bad_value, message):
-    args = good()
-    tensor = args[NAMES.index(name)].clone()
-    tensor[1, 1] = bad_value
-    args[NAMES.index(name)] = tensor
     with pytest.raises(ValueError) as err:
-        rejection_sample(*args)
+        rejection_sample(*with_arg(good(), NAMES, name, bad_value, index=(1, 1)))
     assert str(err.value) == message
 
 
@@ -82,7 +68,7 @@ def test_value_checks_can_be_skipped_but_structure_cannot():
     args[0][0, 0] = 5  # still in range: output just differs, no error
     rejection_sample(*args, check_values=False)
     with pytest.raises(ValueError, match="do_sample"):
-        rejection_sample(*with_arg("do_sample", torch.ones(4)), check_values=False)
+        rejection_sample(*with_arg(good(), NAMES, "do_sample", torch.ones(4)), check_values=False)
 
 
 def test_unknown_backend():

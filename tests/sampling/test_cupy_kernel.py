@@ -1,12 +1,12 @@
-"""The CuPy kernel equals the torch reference token for token (GPU only: make test-gpu)."""
+"""The CuPy kernel equals the torch reference token for token (GPU only: make test-gpu). Its
+statistics: tests/sampling/test_rejection_stats.py, parametrised over the backends."""
 
 import pytest
 import torch
 
 from sampling import RejectionSampler, rejection_sample
 from sampling.cupy_sampler import chunk_size
-from tests.sampling.gpu_inputs import gpu_inputs
-from tests.sampling.stat_cases import check_sampler
+from tests.sampling.helpers import gpu_inputs
 
 pytestmark = pytest.mark.gpu
 POISON = 0x5EAD  # a value no output slot may keep
@@ -107,11 +107,6 @@ def test_zero_residual_mass_and_ties():
     draft_probs = torch.full_like(draft_probs, 1.0 / vocab)
     draft_ids = torch.ones(batch, 2, dtype=torch.int64, device="cuda")
     assert_same((draft_ids, draft_probs, target_probs, target_ids, uniforms, do_sample))
-
-
-@pytest.mark.parametrize("dense", [True, False], ids=["dense", "point-mass"])
-def test_statistics_through_the_kernel(dense):
-    assert check_sampler(lambda *a: rejection_sample(*a, backend="cupy"), dense, seed=11, device="cuda") == []
 
 
 def test_unchecked_bad_ids_stay_in_bounds():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from bench.naive import rejection_sample_loop
 from sampling import rejection_sample
+from sampling.naive import rejection_sample_loop
 from tests.sampling.helpers import random_inputs
 
 

@@ -1,20 +1,19 @@
-"""Emitted tokens follow q exactly and acceptance equals sum(min(p, q)); a biased
-sampler must fail the same checks, so these statistics can never go blind."""
+"""Emitted tokens follow q exactly and acceptance equals sum(min(p, q)), through every
+backend (the torch reference; the CuPy kernel on a GPU); a biased sampler must fail the same
+checks, so these statistics can never go blind."""
 
 import pytest
 
 from sampling import rejection_sample
-from tests.sampling.helpers import biased_rejection_sample
+from tests.sampling.helpers import BACKEND_DEVICE, BACKENDS, biased_rejection_sample
 from tests.sampling.stat_cases import check_sampler
 
 
-def torch_sampler(*args):
-    return rejection_sample(*args, backend="torch")
-
-
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "point-mass"])
-def test_reference_is_exact(dense):
-    assert check_sampler(torch_sampler, dense, seed=11) == []
+def test_backend_is_exact(dense, backend):
+    sampler = lambda *a: rejection_sample(*a, backend=backend)  # noqa: E731
+    assert check_sampler(sampler, dense, seed=11, device=BACKEND_DEVICE[backend]) == []
 
 
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "point-mass"])

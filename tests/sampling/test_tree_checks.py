@@ -4,21 +4,11 @@ import pytest
 import torch
 
 from sampling import MAX_TREE_NODES, tree_rejection_sample
+from tests.sampling.helpers import good_tree_args as good
+from tests.sampling.helpers import with_arg
 from tests.sampling.tree_inputs import NAMES, random_tree_inputs
 
-B, N, V = 4, 3, 11
-
-
-def good():
-    args = list(random_tree_inputs(B, N, V, seed=0, ragged=False))
-    args[2] = torch.full((B,), N)
-    return args
-
-
-def with_arg(name, value):
-    args = good()
-    args[NAMES.index(name)] = value
-    return args
+B, N, V = 4, 3, 11  # good()'s shape
 
 
 @pytest.mark.parametrize(
@@ -50,7 +40,7 @@ def with_arg(name, value):
 )
 def test_structural_errors_name_the_argument(name, value, expected):
     with pytest.raises(ValueError, match=f"^{name}: ") as err:
-        tree_rejection_sample(*with_arg(name, value))
+        tree_rejection_sample(*with_arg(good(), NAMES, name, value))
     assert expected in str(err.value)
 
 
@@ -113,12 +103,8 @@ def test_at_most_max_tree_nodes():
     ],
 )
 def test_value_errors(name, index, bad_value, message):
-    args = good()
-    tensor = args[NAMES.index(name)].clone()
-    tensor[index] = bad_value
-    args[NAMES.index(name)] = tensor
     with pytest.raises(ValueError) as err:
-        tree_rejection_sample(*args)
+        tree_rejection_sample(*with_arg(good(), NAMES, name, bad_value, index=index))
     assert str(err.value) == message
 
 
@@ -132,9 +118,7 @@ def test_entries_past_num_nodes_are_not_checked():
         ("accept_uniforms", (2, 2), 7.0),
         ("recover_uniforms", (1, 2), float("nan")),
     ]:
-        tensor = args[NAMES.index(name)].clone()
-        tensor[index] = value
-        args[NAMES.index(name)] = tensor
+        args = with_arg(args, NAMES, name, value, index=index)
     tree_rejection_sample(*args)
 
 
@@ -147,7 +131,7 @@ def test_value_checks_can_be_skipped_but_structure_cannot():
     args[0][0, 0] = 10**6  # clamped where it addresses memory
     tree_rejection_sample(*args, check_values=False)
     with pytest.raises(ValueError, match=r"^do_sample"):
-        tree_rejection_sample(*with_arg("do_sample", torch.ones(B)), check_values=False)
+        tree_rejection_sample(*with_arg(good(), NAMES, "do_sample", torch.ones(B)), check_values=False)
 
 
 def test_device_mismatch():

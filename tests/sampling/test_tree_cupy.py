@@ -1,12 +1,12 @@
-"""The CuPy tree kernel equals the torch reference token for token (GPU only: make test-gpu)."""
+"""The CuPy tree kernel equals the torch reference token for token (GPU only: make test-gpu).
+Its statistics: tests/sampling/test_tree_stats.py, parametrised over the backends."""
 
 import pytest
 import torch
 
-from sampling import DraftLaw, rejection_sample, tree_rejection_sample
-from tests.sampling.gpu_inputs import gpu_inputs
+from sampling import rejection_sample, tree_rejection_sample
+from tests.sampling.helpers import gpu_inputs
 from tests.sampling.tree_inputs import chain_tree, random_tree_inputs
-from tests.sampling.tree_stats import check_tree_sampler
 
 pytestmark = pytest.mark.gpu
 POISON = 0x5EAD  # a value no output slot may keep
@@ -117,11 +117,3 @@ def test_cuda_graph_capture_and_replay(dense):
         assert torch.equal(got.output_token_ids, ref.output_token_ids)
         assert torch.equal(got.accepted_token_num, ref.accepted_token_num)
         assert torch.equal(got.accepted_nodes, ref.accepted_nodes)
-
-
-@pytest.mark.parametrize("law", list(DraftLaw), ids=lambda law: law.value)
-@pytest.mark.parametrize("branching", [(1,), (4,), (2, 2, 1)], ids=str)
-def test_statistics_through_the_kernel(branching, law):
-    """100,000 rows: also the grid-stride loop past 65535 blocks."""
-    sampler = lambda *a: tree_rejection_sample(*a, backend="cupy")  # noqa: E731
-    assert check_tree_sampler(sampler, branching, law, seed=21, device="cuda") == []

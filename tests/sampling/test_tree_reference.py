@@ -4,8 +4,8 @@ literal row-by-row reading of the law, hand-computed cases, greedy rows, output 
 import pytest
 import torch
 
-from bench.naive import tree_rejection_sample_loop
 from sampling import TreeResult, rejection_sample, tree_rejection_sample
+from sampling.naive import tree_rejection_sample_loop
 from tests.sampling.helpers import random_inputs
 from tests.sampling.tree_inputs import chain_tree, random_tree_inputs
 

@@ -1,7 +1,8 @@
 """The simplest correct rejection samplers: Python loops over rows and positions.
 
-They are the baseline the vectorized reference is measured against on the CPU, and a
-second, independent reading of docs/design.md §2 (chain and tree) that the tests compare with.
+They are the baseline the vectorized reference is measured against on the CPU (bench/sampling_cpu.py),
+and a second, independent reading of docs/design.md §2 (chain and tree) that the tests compare with.
+Not used when serving; kept in the package so that tests and bench share one copy.
 """
 
 from __future__ import annotations
