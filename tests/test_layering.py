@@ -41,18 +41,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 SPLIT_PACKAGES = {"pdspec"}  # a new module of these must be placed in LAYERS by name
 
-# Imports that break a rule below and are on their way out. Delete an entry with its import:
-# test_known_violations_still_exist fails on an entry that matches no import any more.
-KNOWN_VIOLATIONS = {
-    # bench and tests share helpers through each other
-    ("bench.findings", "tests.nodes.conftest"),
-    ("bench.findings", "tests.nodes.test_reliability"),
-    ("bench.sampling_cpu", "tests.sampling.helpers"),
-    ("tests.nodes.test_kv_import", "bench.common"),
-    ("tests.sampling.test_naive_agrees", "bench.naive"),
-    ("tests.sampling.test_tree_reference", "bench.naive"),
-}
-
 # sampling/ is math: from the project it takes only itself and the host <-> device copies,
 # and no wire or model library
 SAMPLING_MAY_IMPORT = {"pdspec.transfer"}
@@ -147,10 +135,6 @@ def _report(rule: str, bad: list) -> str:
     return f"{rule} (docs/design.md §1):\n  " + "\n  ".join(str(b) for b in bad)
 
 
-def _flagged(bad: list[Import]) -> list[Import]:
-    return [imp for imp in bad if (imp.source, imp.target) not in KNOWN_VIOLATIONS]
-
-
 def test_every_module_has_a_layer():
     unplaced = sorted(module for module in FILES if layer(module) is None)
     if unplaced:
@@ -172,7 +156,7 @@ def _why(imp: Import) -> str:
 
 
 def test_imports_follow_the_layers():
-    bad = [f"{imp}: {_why(imp)}" for imp in _flagged([imp for imp in PROJECT_IMPORTS if _against_layers(imp)])]
+    bad = [f"{imp}: {_why(imp)}" for imp in PROJECT_IMPORTS if _against_layers(imp)]
     if bad:
         pytest.fail(_report("imports against the layers " + " < ".join(name for name, _ in LAYERS), bad))
 
@@ -284,15 +268,13 @@ def test_protos_maps_no_vocabulary():
 
 
 def test_models_take_only_the_contract_from_protos():
-    bad = _flagged(
-        [
-            imp
-            for imp in PROJECT_IMPORTS
-            if _top(imp.source) == "models"
-            and _top(imp.target) == "protos"
-            and imp.target not in MODELS_MAY_IMPORT_FROM_PROTOS
-        ]
-    )
+    bad = [
+        imp
+        for imp in PROJECT_IMPORTS
+        if _top(imp.source) == "models"
+        and _top(imp.target) == "protos"
+        and imp.target not in MODELS_MAY_IMPORT_FROM_PROTOS
+    ]
     if bad:
         pytest.fail(_report(f"models/ imports from protos/ only {sorted(MODELS_MAY_IMPORT_FROM_PROTOS)}", bad))
 
@@ -311,10 +293,3 @@ def test_pdspec_uses_only_public_engine_names():
     rule = f"pdspec/ imports no private engine name, and the engine's constants only from {ENGINE_CONSTANTS_MODULE}"
     if bad:
         pytest.fail(_report(rule, bad))
-
-
-def test_known_violations_still_exist():
-    edges = {(imp.source, imp.target) for imp in PROJECT_IMPORTS}
-    stale = sorted(KNOWN_VIOLATIONS - edges)
-    if stale:
-        pytest.fail(f"these imports are gone: delete their KNOWN_VIOLATIONS entries (tests/test_layering.py): {stale}")
