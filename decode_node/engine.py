@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import spec_step
-from engine.adaptive import QUEUED, AdaptiveK, BatchGate, StepCosts
+from engine.adaptive import AdaptiveK, BatchGate, StepCosts, calibrate
 from engine.device import on_device
 from engine.options import SPECULATIVE_METHODS
 from engine.prompt_lookup import check_lookup_range
@@ -43,7 +43,7 @@ from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from pdspec.transfer import Buffer, HostCopy, to_device, to_host_async
 from protos.validation import DecodeInput
-from sampling import RequestRng, SamplingParams, Verifier
+from sampling import RequestRng, Verifier
 from sampling.logprobs import TokenLogprob
 from sampling.proposal import DraftLaw
 from sampling.tree import MAX_TREE_NODES
@@ -294,55 +294,17 @@ class DecodeEngine:
         return len(self._pending)
 
     def calibrate(self) -> StepCosts:
-        """Measure adaptive K's cost table on this node's models: a verify of k + 1 tokens (and
-        its rejection sampling) for k in 0..max K at batch 1 after a short context, and one
-        draft depth, each relative to a K = 0 step as this node runs it (queued, with async
-        scheduling). Start-up only (the engine thread is not running);
-        a no-op without adaptive K or with a table configured."""
+        """Measure adaptive K's cost table on this node's models (`engine/adaptive.calibrate`), as
+        this node runs a K = 0 step (queued, with async scheduling). Start-up only (the engine
+        thread is not running); a no-op without adaptive K or with a table configured."""
         config = self.config
         if not config.adaptive or config.step_costs is not None:
             return self.costs
-        target, draft = self.pair.target, self.pair.draft
-        max_k, context = config.max_speculative_tokens, 32
-        runs = 6 * (max_k + 2) + 6 * QUEUED  # the tokens the timed steps add
-        prompt = [i % target.vocab_size for i in range(context)]
-        params, rng = SamplingParams(), RequestRng(0, stream="calibrate")
-        states = []
+        draft = self.pair.draft if self.proposer.uses_draft else None
         with on_device(config.device):
-            try:
-                state = target.empty_state()
-                states.append((target, state))
-                target.reserve(state, context + runs + max_k + 1)
-                target.extend_last([state], [prompt])
-
-                def verify(logits: list[torch.Tensor], k: int):
-                    drafts = torch.ones(1, k, dtype=torch.int64)
-                    return self.verifier.verify(
-                        drafts, None, torch.stack(logits).to(self.verifier.device), [params], [rng]
-                    )
-
-                def verify_step(k: int) -> None:
-                    verify(target.extend_tree([state], [[1] * (k + 1)], [list(range(-1, k))]), k).host()
-                    target.accept_tree(state, [0])  # one token kept per run: the state grows by one
-
-                def queued_steps(n: int) -> None:
-                    results = [verify(target.extend_batch([state], [[1]]), 0) for _ in range(n)]
-                    results[-1].host()
-
-                depth = None
-                if self.proposer.uses_draft:
-                    draft_state = draft.empty_state()
-                    states.append((draft, draft_state))
-                    draft.reserve(draft_state, context + runs)
-                    draft.extend_last([draft_state], [prompt])
-
-                    def depth() -> None:
-                        draft.extend_batch([draft_state], [[1]])[0].argmax(-1).item()
-
-                self.costs = StepCosts.measure(verify_step, depth, max_k, queued_steps if self.pipelined else None)
-            finally:
-                for model, state in states:
-                    model.release(state)
+            self.costs = calibrate(
+                self.pair.target, draft, self.verifier, config.max_speculative_tokens, self.pipelined
+            )
         log.info(
             "adaptive K step costs: verify %s, draft depth %.2f, K = 0 read back %.2f",
             self.costs.verify,

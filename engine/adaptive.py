@@ -22,6 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
+from models.base import CausalLM
+from sampling import RequestRng, SamplingParams, Verifier
+
 PRIOR = 0.5  # acceptance assumed before a request has shown any
 PRIOR_WEIGHT = 1.0  # observations the prior is worth
 DECAY = 0.9  # per step: the weight of what a request showed one step ago
@@ -224,3 +229,47 @@ class BatchGate:
             return
         old = self._times.get(key)
         self._times[key] = seconds if old is None else old + self.SMOOTHING * (seconds - old)
+
+
+def calibrate(target: CausalLM, draft: CausalLM | None, verifier: Verifier, max_k: int, queued: bool) -> StepCosts:
+    """The cost table of these models (`StepCosts.measure`): a verify of k + 1 tokens and its
+    rejection sampling for k in 0..max_k at batch 1 after a short context, and one draft depth
+    (none without a draft), relative to a K = 0 step read back or, `queued` (async scheduling),
+    queued back to back. Every state it makes is released."""
+    context = 32
+    runs = 6 * (max_k + 2) + 6 * QUEUED  # the tokens the timed steps add
+    prompt = [i % target.vocab_size for i in range(context)]
+    params, rng = SamplingParams(), RequestRng(0, stream="calibrate")
+    states = []
+    try:
+        state = target.empty_state()
+        states.append((target, state))
+        target.reserve(state, context + runs + max_k + 1)
+        target.extend_last([state], [prompt])
+
+        def verify(logits: list[torch.Tensor], k: int):
+            drafts = torch.ones(1, k, dtype=torch.int64)
+            return verifier.verify(drafts, None, torch.stack(logits).to(verifier.device), [params], [rng])
+
+        def verify_step(k: int) -> None:
+            verify(target.extend_tree([state], [[1] * (k + 1)], [list(range(-1, k))]), k).host()
+            target.accept_tree(state, [0])  # one token kept per run: the state grows by one
+
+        def queued_steps(n: int) -> None:
+            results = [verify(target.extend_batch([state], [[1]]), 0) for _ in range(n)]
+            results[-1].host()
+
+        depth = None
+        if draft is not None:
+            draft_state = draft.empty_state()
+            states.append((draft, draft_state))
+            draft.reserve(draft_state, context + runs)
+            draft.extend_last([draft_state], [prompt])
+
+            def depth() -> None:
+                draft.extend_batch([draft_state], [[1]])[0].argmax(-1).item()
+
+        return StepCosts.measure(verify_step, depth, max_k, queued_steps if queued else None)
+    finally:
+        for model, made in states:
+            model.release(made)
