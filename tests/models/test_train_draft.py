@@ -1,0 +1,141 @@
+"""`pdspec train-draft` (models/distill.py, pdspec/train_draft.py) on a tiny random target."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+
+import pytest
+import torch
+
+from models import distill
+from models.loader import load_model, load_pair
+from pdspec import cli
+from tests.models.hf_fixtures import WORDS, make_family_checkpoint
+
+pytest.importorskip("transformers")
+
+SMALL = ["--tokens", "300", "--max-new-tokens", "24", "--batch", "4", "--top-k", "16", "--lr", "3e-3", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """4 layers, vocabulary of 40 (the word tokenizer's 38 ids and two more), untied head."""
+    directory = tmp_path_factory.mktemp("target")
+    return make_family_checkpoint(directory, seed=5, layers=4, vocab_size=40, hidden=32, words=WORDS)
+
+
+def _train(target, out, *extra: str) -> int:
+    return cli.main(["train-draft", "--target-model", str(target), "--out", str(out), *SMALL, *extra])
+
+
+def _weights(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")
+
+
+def test_loss_falls(target, tmp_path):
+    model, tokenizer = load_model(target, dtype=torch.float32)
+    samples = distill.generate_samples(model, tokenizer, tokens=300, max_new_tokens=24, batch=4, seed=3)
+    items = distill.target_distributions(model.module, samples, top_k=16, batch=4)
+    draft = distill.init_draft(model.module, 2)
+    settings = distill.TrainSettings(steps=40, batch=4, lr=3e-3, seed=3, layers=2)
+    losses = distill.train(draft, items[2:], items[:2], settings, tmp_path, log=lambda _: None)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.6 * first, (first, last)
+
+
+def test_draft_copies_spaced_target_layers(target):
+    model, _ = load_model(target, dtype=torch.float32)
+    draft = distill.init_draft(model.module, 2)
+    assert distill.spaced_layers(4, 2) == [0, 3]
+    source, copied = model.module.state_dict(), draft.state_dict()
+    assert torch.equal(copied["model.layers.1.mlp.down_proj.weight"], source["model.layers.3.mlp.down_proj.weight"])
+    assert torch.equal(
+        copied["model.layers.0.self_attn.q_proj.weight"], source["model.layers.0.self_attn.q_proj.weight"]
+    )
+    assert torch.equal(copied["lm_head.weight"], source["lm_head.weight"])
+
+
+def test_saved_draft_loads_and_matches(target, tmp_path, capsys):
+    out = tmp_path / "draft"
+    assert _train(target, out, "--steps", "6", "--log-every", "3", "--eval") == 0
+    printed = capsys.readouterr().out
+    assert "step 6/6" in printed and "held-out top-1 agreement" in printed and "E[acc]" in printed
+    report = json.loads((out / "eval.json").read_text())
+    for kind in ("greedy", "stochastic"):  # a chain: each position's rate at most the one before
+        rates = report[kind]["per_position"]
+        assert len(rates) == 4 and all(0 <= b <= a <= 1 for a, b in itertools.pairwise(rates))
+
+    # the module trained, rebuilt from its last checkpoint
+    model, _ = load_model(target, dtype=torch.float32)
+    trained = distill.init_draft(model.module, 2)
+    trained.load_state_dict(torch.load(distill.latest_checkpoint(out), weights_only=True)["model"])
+    tokens = torch.tensor([[0, 5, 9, 3, 17, 2, 30, 11]])
+    with torch.no_grad():
+        expected = distill.dense_logits(trained, tokens)[0]  # [T, V]
+
+    pair = load_pair(target_model=target, draft_model=out)
+    assert pair.draft.vocab_size == pair.target.vocab_size and pair.draft.num_layers == 2
+    logits, state = pair.draft.prefill(tokens[0, :4].tolist())
+    rest = pair.draft.extend(state, tokens[0, 4:].tolist())
+    torch.testing.assert_close(torch.cat([logits[None], rest]), expected[3:], rtol=1e-5, atol=1e-5)
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_resume_gives_the_same_weights(target, tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert _train(target, whole, "--steps", "8", "--save-every", "4") == 0
+    shutil.copytree(whole, resumed)
+    distill.checkpoint_path(resumed, 8).unlink()  # as if stopped after step 4
+    (resumed / "model.safetensors").unlink()
+    assert distill.latest_checkpoint(resumed) == distill.checkpoint_path(resumed, 4)
+    assert _train(target, resumed, "--steps", "8", "--save-every", "4", "--resume") == 0
+    first, second = _weights(whole), _weights(resumed)
+    assert first.keys() == second.keys()
+    for name, tensor in first.items():
+        assert torch.equal(tensor, second[name]), name
+    fresh = tmp_path / "fresh"  # and the resumed steps did change the weights of step 4
+    assert _train(target, fresh, "--steps", "8", "--save-every", "4", "--seed", "4") == 0
+    assert not torch.equal(_weights(fresh)["lm_head.weight"], first["lm_head.weight"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag"),
+    [
+        (["--steps", "-1"], "--steps"),
+        (["--layers", "0"], "--layers"),
+        (["--layers", "5"], "--layers"),
+        (["--top-k", "-2"], "--top-k"),
+    ],
+)
+def test_bad_flags_name_the_flag(target, tmp_path, capsys, extra, flag):
+    with pytest.raises(SystemExit) as exit_info:
+        _train(target, tmp_path / "out", *extra)
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_missing_out_names_the_flag(target, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train-draft", "--target-model", str(target)])
+    assert exit_info.value.code == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_resume_needs_a_checkpoint_and_a_fresh_run_an_empty_out(target, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _train(target, tmp_path / "none", "--resume")
+    assert exit_info.value.code == 2 and "--resume" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert _train(target, out, "--steps", "2") == 0
+    with pytest.raises(SystemExit) as exit_info:
+        _train(target, out, "--steps", "2")
+    assert exit_info.value.code == 2 and "--out" in capsys.readouterr().err
