@@ -5,9 +5,8 @@
   the answer), else from BOS; plus optional user text. For every position the target's next-token
   distribution is computed once, teacher-forced, and stored as top-k ids + renormalised probs
   (`Targets`), so training never runs the target and a resumed run reads the very same data.
-* Draft (`init_draft`): the target's config with fewer layers; its decoder layers are copies of
-  target layers evenly spaced from the first to the last, embeddings, final norm and head are
-  the target's (tied when the target's are).
+* Draft (`init_draft`): the target's config with fewer layers, initialised as a copy of the
+  target's first layers, embeddings, final norm and head (tied when the target's are).
 * Loss (`kl_loss`): KL(target || draft) at every position, the target's law truncated to its top k.
 * Output (`save_hf_draft`): a transformers-style safetensors directory that models/loader.py and
   transformers' AutoModelForCausalLM both load.
@@ -232,36 +231,26 @@ def collate(items: Sequence[Targets], device) -> tuple[torch.Tensor, torch.Tenso
 # ---------------------------------------------------------------------------------------
 
 
-def spaced_layers(total: int, layers: int) -> list[int]:
-    """`layers` indices in 0..total-1 evenly spaced from the first layer to the last: the first
-    layer reads embeddings and the last writes for the head, so both are kept."""
-    if not 1 <= layers <= total:
-        raise ValueError(f"layers: expected 1..{total} (the target's layer count), got {layers}")
-    if layers == 1:
-        return [0]
-    return [round(i * (total - 1) / (layers - 1)) for i in range(layers)]
-
-
 def init_draft(target: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
-    """A float32 draft: the target's config with `layers` decoder layers copied from the
-    target's (`spaced_layers`), and the target's embeddings, final norm and head."""
+    """A float32 draft: the target's config with its first `layers` decoder layers, embeddings,
+    final norm and head, copied. It starts as the layer-skip draft of `--draft-layers N`: on
+    SmolLM2-135M with 2 layers (a few hundred generated tokens) that start had a KL of 16 nats
+    and 5% top-1 agreement, the evenly spaced layers 0 and 29 had 58 nats and 0% (the last
+    layer's output does not fit the first's input)."""
     from dataclasses import replace
 
+    if not 1 <= layers <= target.config.num_layers:
+        raise ValueError(f"layers: expected 1..{target.config.num_layers} (the target's layer count), got {layers}")
     config = replace(target.config, num_layers=layers)
     draft = LlamaForCausalLM(config)
-    source = target.state_dict()
-    mapped = {}
-    for new, old in enumerate(spaced_layers(target.config.num_layers, layers)):
-        prefix = f"model.layers.{old}."
-        mapped |= {
-            f"model.layers.{new}.{name[len(prefix) :]}": tensor
-            for name, tensor in source.items()
-            if name.startswith(prefix)
-        }
-    mapped |= {name: tensor for name, tensor in source.items() if not name.startswith("model.layers.")}
-    draft.load_state_dict({name: tensor.detach().float().clone() for name, tensor in mapped.items()})
-    draft.inv_freq = rope_inv_freq(config).to(target.lm_head.weight.device)
-    return draft.to(target.lm_head.weight.device).float()
+    kept = {
+        name: tensor.detach().float().clone()
+        for name, tensor in target.state_dict().items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+    }
+    draft.load_state_dict(kept)
+    draft.inv_freq = rope_inv_freq(config)
+    return draft.to(target.lm_head.weight.device)
 
 
 def kl_loss(logits: torch.Tensor, mask: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

@@ -99,10 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = distill.TrainSettings(args.steps, args.batch, args.lr, args.seed, args.layers)
     draft = distill.init_draft(target.module, args.layers)
     print(
-        f"draft: layers {distill.spaced_layers(total, args.layers)} of {total}; "
+        f"draft: the target's first {args.layers} of {total} layers, then trained; "
         f"{len(train_items)} training / {len(held_out)} held-out sequences",
         flush=True,
     )
+    baseline = None
+    if args.eval:  # the untrained draft is the layer-skip draft of --draft-layers N: the baseline
+        baseline = distill.acceptance(target.module, draft, [item.tokens for item in held_out], k=EVAL_K)
     distill.train(
         draft,
         train_items,
@@ -117,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     distill.save_hf_draft(draft, tokenizer, out)
     print(f"draft saved to {out} (serve it with --draft-model {out})")
     if args.eval:
-        result = distill.acceptance(target.module, draft, [item.tokens for item in held_out], k=EVAL_K)
-        (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-        print(_table(result))
+        trained = distill.acceptance(target.module, draft, [item.tokens for item in held_out], k=EVAL_K)
+        (out / "eval.json").write_text(json.dumps({"trained": trained, "layer_skip": baseline}, indent=2) + "\n")
+        print(_table(trained, baseline))
     return 0
 
 
@@ -170,16 +173,34 @@ def _data(args, distill, target, tokenizer):
     return train_items, held_out
 
 
-def _table(result: dict) -> str:
+def _table(trained: dict, baseline: dict) -> str:
+    """Acceptance rate per draft position, trained draft against the layer-skip start."""
+    temperature = f"T={trained['temperature']}"
     lines = [
-        f"acceptance on held-out target generations (K = {result['k']}, {result['starts']} starts)",
-        f"{'position':>8}  {'greedy':>8}  {'T=' + str(result['temperature']):>8}",
+        f"acceptance on held-out target generations (K = {trained['k']}, {trained['starts']} starts)",
+        f"{'':>8}  {'trained':>17}  {'layer-skip start':>17}",
+        f"{'position':>8}  {'greedy':>8} {temperature:>8}  {'greedy':>8} {temperature:>8}",
     ]
-    greedy, stochastic = result["greedy"]["per_position"], result["stochastic"]["per_position"]
-    for position, (g, s) in enumerate(zip(greedy, stochastic, strict=True)):
-        lines.append(f"{position:>8}  {g:>8.3f}  {s:>8.3f}")
-    expected = result["greedy"]["expected_accepted"], result["stochastic"]["expected_accepted"]
-    lines.append(f"{'E[acc]':>8}  {expected[0]:>8.3f}  {expected[1]:>8.3f}")
+    rows = [
+        (str(position), *values)
+        for position, values in enumerate(
+            zip(
+                trained["greedy"]["per_position"],
+                trained["stochastic"]["per_position"],
+                baseline["greedy"]["per_position"],
+                baseline["stochastic"]["per_position"],
+                strict=True,
+            )
+        )
+    ]
+    rows.append(
+        (
+            "E[acc]",
+            *(result[kind]["expected_accepted"] for result in (trained, baseline) for kind in ("greedy", "stochastic")),
+        )
+    )
+    for name, g, s, base_g, base_s in rows:
+        lines.append(f"{name:>8}  {g:>8.3f} {s:>8.3f}  {base_g:>8.3f} {base_s:>8.3f}")
     return "\n".join(lines)
 
 

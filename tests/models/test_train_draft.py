@@ -47,12 +47,14 @@ def test_loss_falls(target, tmp_path):
     assert last < 0.6 * first, (first, last)
 
 
-def test_draft_copies_spaced_target_layers(target):
+def test_draft_starts_as_the_layer_skip_draft(target):
     model, _ = load_model(target, dtype=torch.float32)
     draft = distill.init_draft(model.module, 2)
-    assert distill.spaced_layers(4, 2) == [0, 3]
     source, copied = model.module.state_dict(), draft.state_dict()
-    assert torch.equal(copied["model.layers.1.mlp.down_proj.weight"], source["model.layers.3.mlp.down_proj.weight"])
+    assert sorted(copied) == sorted(
+        name for name in source if not name.startswith(("model.layers.2", "model.layers.3"))
+    )
+    assert torch.equal(copied["model.layers.1.mlp.down_proj.weight"], source["model.layers.1.mlp.down_proj.weight"])
     assert torch.equal(
         copied["model.layers.0.self_attn.q_proj.weight"], source["model.layers.0.self_attn.q_proj.weight"]
     )
@@ -65,8 +67,8 @@ def test_saved_draft_loads_and_matches(target, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "step 6/6" in printed and "held-out top-1 agreement" in printed and "E[acc]" in printed
     report = json.loads((out / "eval.json").read_text())
-    for kind in ("greedy", "stochastic"):  # a chain: each position's rate at most the one before
-        rates = report[kind]["per_position"]
+    for draft, kind in itertools.product(("trained", "layer_skip"), ("greedy", "stochastic")):
+        rates = report[draft][kind]["per_position"]  # a chain: each position's rate at most the one before
         assert len(rates) == 4 and all(0 <= b <= a <= 1 for a, b in itertools.pairwise(rates))
 
     # the module trained, rebuilt from its last checkpoint
