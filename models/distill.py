@@ -391,6 +391,10 @@ def acceptance(
 # ---------------------------------------------------------------------------------------
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint to resume from was made with other training settings."""
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     """What fixes a run's trajectory; a resumed run must have the same."""
@@ -478,7 +482,7 @@ def train(
     if resume is not None:
         state = torch.load(resume, map_location=device, weights_only=True)
         if state["settings"] != settings.__dict__:
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"resume: expected a checkpoint of {settings.__dict__}, got {state['settings']} ({resume})"
             )
         draft.load_state_dict(state["model"])

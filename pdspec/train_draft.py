@@ -106,17 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     baseline = None
     if args.eval:  # the untrained draft is the layer-skip draft of --draft-layers N: the baseline
         baseline = distill.acceptance(target.module, draft, [item.tokens for item in held_out], k=EVAL_K)
-    distill.train(
-        draft,
-        train_items,
-        held_out,
-        settings,
-        out,
-        resume=checkpoint,
-        save_every=args.save_every,
-        log_every=args.log_every,
-        log=lambda line: print(line, flush=True),
-    )
+    try:
+        distill.train(
+            draft,
+            train_items,
+            held_out,
+            settings,
+            out,
+            resume=checkpoint,
+            save_every=args.save_every,
+            log_every=args.log_every,
+            log=lambda line: print(line, flush=True),
+        )
+    except distill.CheckpointMismatch as err:
+        parser.error(f"--resume: {err}")
     distill.save_hf_draft(draft, tokenizer, out)
     print(f"draft saved to {out} (serve it with --draft-model {out})")
     if args.eval:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from models import distill
 from models.loader import load_model, load_pair
+from models.tokenizer import TextTokenizer
 from pdspec import cli
 from tests.models.hf_fixtures import WORDS, make_family_checkpoint
 
@@ -104,9 +106,8 @@ def test_resume_gives_the_same_weights(target, tmp_path):
     assert first.keys() == second.keys()
     for name, tensor in first.items():
         assert torch.equal(tensor, second[name]), name
-    fresh = tmp_path / "fresh"  # and the resumed steps did change the weights of step 4
-    assert _train(target, fresh, "--steps", "8", "--save-every", "4", "--seed", "4") == 0
-    assert not torch.equal(_weights(fresh)["lm_head.weight"], first["lm_head.weight"])
+    at_4 = torch.load(distill.checkpoint_path(resumed, 4), weights_only=True)["model"]
+    assert not torch.equal(at_4["lm_head.weight"], first["lm_head.weight"])  # steps 5..8 did train
 
 
 @pytest.mark.parametrize(
@@ -141,3 +142,48 @@ def test_resume_needs_a_checkpoint_and_a_fresh_run_an_empty_out(target, tmp_path
     with pytest.raises(SystemExit) as exit_info:
         _train(target, out, "--steps", "2")
     assert exit_info.value.code == 2 and "--out" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # a checkpoint of other training flags
+        _train(target, out, "--steps", "3", "--resume")
+    assert exit_info.value.code == 2 and "--resume" in capsys.readouterr().err
+
+
+def test_kl_loss_is_the_kl_divergence():
+    logits = torch.tensor([[[2.0, 0.0, -1.0, 0.5]]])  # [B=1, T=1, V=4]
+    q = torch.softmax(logits, -1)[0, 0]
+    ids, probs = torch.tensor([[[3, 0]]]), torch.tensor([[[0.75, 0.25]]])  # a top-2 law, renormalised
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    expected = 0.75 * math.log(0.75 / q[3]) + 0.25 * math.log(0.25 / q[0])
+    assert float(distill.kl_loss(logits, mask, ids, probs)) == pytest.approx(expected, rel=1e-6)
+    matched = torch.log(torch.tensor([[[0.25, 1e-9, 1e-9, 0.75]]]))  # the draft's law is the target's
+    assert float(distill.kl_loss(matched, mask, ids, probs)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_magpie_samples_follow_the_chat_template(target):
+    """The target writes the user turn after the template's user prefix, then the answer."""
+    model, tokenizer = load_model(target, dtype=torch.float32)
+    tokenizer.tokenizer.chat_template = (
+        "{% for m in messages %}the cat {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}dog{% endif %}"
+    )
+    chat = TextTokenizer(tokenizer.tokenizer, model.eos_token_ids)
+    prefix, suffix = distill.magpie_prefix_suffix(chat)
+    assert (prefix, suffix) == (chat.encode("the cat"), chat.encode("</s> dog"))
+    samples = distill.generate_samples(model, chat, tokens=60, max_new_tokens=6, batch=2, seed=1)
+    for sample in samples:
+        assert sample[:2] == prefix
+        switch = next(i for i in range(2, len(sample)) if sample[i : i + 2] == suffix)
+        assert 2 <= switch <= 2 + 6 and 1 not in sample[2:switch]  # a user turn without its end token
+        assert 1 <= len(sample) - switch - 2 <= 6
+
+
+def test_data_file_adds_training_sequences(target, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat\n\nthe dog ran past the old red door\n")
+    plain, extra = tmp_path / "plain", tmp_path / "extra"
+    assert _train(target, plain, "--steps", "1") == 0
+    assert _train(target, extra, "--steps", "1", "--data", str(text)) == 0
+    before = torch.load(plain / "data.pt", weights_only=True)["train"]
+    after = torch.load(extra / "data.pt", weights_only=True)["train"]
+    assert len(after) == len(before) + 2
+    tokenizer = load_model(target, dtype=torch.float32)[1]
+    assert after[-1][0] == [0, *tokenizer.encode("the dog ran past the old red door")]  # BOS, then the line
