@@ -120,10 +120,9 @@ def _continue(
         for row, token in zip(live, drawn, strict=True):
             outputs[row].append(token)
         live = [row for row in live if outputs[row][-1] not in stop and len(outputs[row]) < max_new]
-        if not live:
-            break
-        rows = target.extend_batch([states[row] for row in live], [[outputs[row][-1]] for row in live])
-        last = torch.stack([r[-1] for r in rows])
+        if live:
+            rows = target.extend_batch([states[row] for row in live], [[outputs[row][-1]] for row in live])
+            last = torch.stack([r[-1] for r in rows])  # [R', V]
     return outputs
 
 
