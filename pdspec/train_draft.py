@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--layers: expected 1..{total} (the target's layer count), got {args.layers}")
 
     try:
-        train_items, held_out = _data(args, distill, target, tokenizer)
-    except ValueError as err:
+        train_items, held_out = _data(args, target, tokenizer)
+    except DataMismatch as err:
         parser.error(f"--out: {err}")
     settings = distill.TrainSettings(args.steps, args.batch, args.lr, args.seed, args.layers)
     draft = distill.init_draft(target.module, args.layers)
@@ -129,10 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _data(args, distill, target, tokenizer):
+class DataMismatch(ValueError):
+    """DIR/data.pt was made with other data flags."""
+
+
+def _data(args, target, tokenizer):
     """(training Targets, held-out Targets): read from DIR/data.pt when it was made with these
     flags, else generated and saved there."""
     import torch
+
+    from models import distill
 
     path = args.out / "data.pt"
     made_with = {
@@ -146,7 +152,7 @@ def _data(args, distill, target, tokenizer):
     if path.is_file():
         saved = torch.load(path, weights_only=True)
         if saved["made_with"] != made_with:
-            raise ValueError(f"{path} was made with other data flags ({saved['made_with']}); use another --out")
+            raise DataMismatch(f"{path} was made with other data flags ({saved['made_with']}); use another --out")
         return [distill.Targets(*item) for item in saved["train"]], [distill.Targets(*item) for item in saved["held"]]
     print(f"generating {args.tokens} tokens with the target...", flush=True)
     samples = distill.generate_samples(

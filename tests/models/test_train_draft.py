@@ -145,6 +145,10 @@ def test_resume_needs_a_checkpoint_and_a_fresh_run_an_empty_out(target, tmp_path
     with pytest.raises(SystemExit) as exit_info:  # a checkpoint of other training flags
         _train(target, out, "--steps", "3", "--resume")
     assert exit_info.value.code == 2 and "--resume" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # data made with other data flags
+        _train(target, out, "--steps", "2", "--resume", "--max-new-tokens", "25")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--out" in err and "other data flags" in err
 
 
 def test_kl_loss_is_the_kl_divergence():
