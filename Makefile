@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: install proto run run-builtin up up-local test test-slow test-gpu sanitize-gpu bench bench-gpu lint clean
+.PHONY: install proto run run-builtin up up-local train-draft test test-slow test-gpu sanitize-gpu bench bench-gpu lint clean
 
 $(STAMP): pyproject.toml deploy/install.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,14 @@ bench-gpu: $(STAMP)
 	$(PY) bench/decode_step.py --batches 1,8,32,64
 	$(PY) bench/attention.py
 	$(PY) bench/step_kernels.py
+
+# Distil a 2-layer draft of SmolLM2-135M-Instruct from its own generations (CPU; DEVICE=cuda on a
+# GPU). The weights land in .drafts/, are never committed, and nothing in the repository needs them.
+DEVICE ?= cpu
+TRAIN_DRAFT_FLAGS ?= --layers 2 --tokens 20000 --max-new-tokens 128 --steps 500 --batch 8 --eval
+train-draft: $(STAMP)
+	$(PY) -m pdspec.cli train-draft --target-model smollm2-135m-instruct --out .drafts/smollm2-135m-instruct-2l \
+		--device $(DEVICE) $(TRAIN_DRAFT_FLAGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

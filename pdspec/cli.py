@@ -1,4 +1,4 @@
-"""The `pdspec` command line: serve, generate, info, demo. Every flag also reads PDSPEC_CLI_<FLAG>."""
+"""The `pdspec` command line: serve, generate, info, demo, train-draft. Every flag also reads PDSPEC_CLI_<FLAG>."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     _security_flags(info)
     commands.add_parser("demo", help="rejection-sampling demo (no servers needed)", add_help=False)
     commands.add_parser("serve", help="run a decode and a prefill node here (as `make run` does)", add_help=False)
+    commands.add_parser("train-draft", help="distil a small draft model from a target", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
@@ -74,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 
         local.main(rest)
         return 0
+    if args.command == "train-draft":
+        from pdspec import train_draft
+
+        return train_draft.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

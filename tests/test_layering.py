@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "pdspec.client",
             "pdspec.healthcheck",
             "pdspec.local",
+            "pdspec.train_draft",
             "prefill_node.__main__",
             "decode_node.__main__",
         ),

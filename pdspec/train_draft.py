@@ -1,0 +1,217 @@
+"""`pdspec train-draft`: distil a small draft from a Llama-family target (models/distill.py).
+
+DIR receives data.pt (the generated sequences and the target's top-k laws, made once: a
+resumed run reads them back), checkpoints/ (weights + optimizer state), and at the end a
+transformers-style draft directory (config.json, model.safetensors, the target's tokenizer)
+for `--draft-model DIR`; with --eval also eval.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from pdspec.config import EnvArgumentParser
+
+HELD_OUT_FRACTION = 10  # one generated sequence in ten is held out (at least one)
+EVAL_K = 4
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {raw}")
+    return value
+
+
+def _non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {raw}")
+    return value
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {raw}")
+    return value
+
+
+def build_parser() -> EnvArgumentParser:
+    parser = EnvArgumentParser(
+        "train_draft", prog="pdspec train-draft", description="distil a small draft model from a Llama-family target"
+    )
+    flag = parser.add_flag
+    flag("--target-model", required=True, help="smollm2-135m-instruct, a .gguf file or an HF checkpoint directory")
+    flag("--out", required=True, type=Path, help="output directory (draft, checkpoints, data, eval)")
+    flag("--layers", default=2, type=_positive_int, help="decoder layers of the draft (at most the target's)")
+    flag("--tokens", default=20000, type=_positive_int, help="target-generated training tokens, in total")
+    flag("--max-new-tokens", default=128, type=_positive_int, help="tokens per generated turn (user turn, answer)")
+    flag("--top-k", default=64, type=_non_negative_int, help="target law kept per position (0 = full vocabulary)")
+    flag("--data", default=None, type=Path, help="extra training text: one document per line")
+    flag("--steps", default=1000, type=_positive_int, help="optimizer steps in total")
+    flag("--batch", default=8, type=_positive_int, help="sequences per step")
+    flag("--lr", default=3e-4, type=_positive_float, help="peak AdamW learning rate")
+    flag("--seed", default=0, type=int, help="seed of the generations and the data order")
+    flag("--device", default="cpu", help="cpu, cuda or cuda:N")
+    flag("--save-every", default=100, type=_positive_int, help="checkpoint period in steps")
+    flag("--log-every", default=10, type=_positive_int, help="progress line period in steps")
+    flag("--resume", default=False, type=bool, help="continue from the last checkpoint in --out")
+    flag("--eval", default=False, type=bool, help="acceptance per position on held-out generations (eval.json)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from models import distill
+
+    out: Path = args.out
+    checkpoint = distill.latest_checkpoint(out)
+    if args.resume and checkpoint is None:
+        parser.error(f"--resume: expected a checkpoint in {out / 'checkpoints'}, got none")
+    if not args.resume and checkpoint is not None:
+        parser.error(f"--out: {out} holds checkpoints already; pass --resume to continue, or name another directory")
+    if args.data is not None and not args.data.is_file():
+        parser.error(f"--data: expected a text file, got {args.data}")
+
+    from models.llama import LlamaCausalLM
+    from models.loader import load_model, resolve_dtype
+
+    try:
+        target, tokenizer = load_model(args.target_model, dtype=resolve_dtype(None, args.device), device=args.device)
+    except ValueError as err:
+        parser.error(f"--target-model: {err}")
+    if not isinstance(target, LlamaCausalLM):
+        parser.error(f"--target-model: expected a Llama-family model (own model code), got {type(target).__name__}")
+    total = target.config.num_layers
+    if args.layers > total:
+        parser.error(f"--layers: expected 1..{total} (the target's layer count), got {args.layers}")
+
+    try:
+        train_items, held_out = _data(args, target, tokenizer)
+    except DataMismatch as err:
+        parser.error(f"--out: {err}")
+    settings = distill.TrainSettings(args.steps, args.batch, args.lr, args.seed, args.layers)
+    draft = distill.init_draft(target.module, args.layers)
+    print(
+        f"draft: the target's first {args.layers} of {total} layers, then trained; "
+        f"{len(train_items)} training / {len(held_out)} held-out sequences",
+        flush=True,
+    )
+    baseline = None
+    if args.eval:  # the untrained draft is the layer-skip draft of --draft-layers N: the baseline
+        baseline = distill.acceptance(target.module, draft, [item.tokens for item in held_out], k=EVAL_K)
+    try:
+        distill.train(
+            draft,
+            train_items,
+            held_out,
+            settings,
+            out,
+            resume=checkpoint,
+            save_every=args.save_every,
+            log_every=args.log_every,
+            log=lambda line: print(line, flush=True),
+        )
+    except distill.CheckpointMismatch as err:
+        parser.error(f"--resume: {err}")
+    distill.save_hf_draft(draft, tokenizer, out)
+    print(f"draft saved to {out} (serve it with --draft-model {out})")
+    if args.eval:
+        trained = distill.acceptance(target.module, draft, [item.tokens for item in held_out], k=EVAL_K)
+        (out / "eval.json").write_text(json.dumps({"trained": trained, "layer_skip": baseline}, indent=2) + "\n")
+        print(_table(trained, baseline))
+    return 0
+
+
+class DataMismatch(ValueError):
+    """DIR/data.pt was made with other data flags."""
+
+
+def _data(args, target, tokenizer):
+    """(training Targets, held-out Targets): read from DIR/data.pt when it was made with these
+    flags, else generated and saved there."""
+    import torch
+
+    from models import distill
+
+    path = args.out / "data.pt"
+    made_with = {
+        "target_model": str(args.target_model),
+        "tokens": args.tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "data": None if args.data is None else hashlib.sha256(args.data.read_bytes()).hexdigest(),
+    }
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if saved["made_with"] != made_with:
+            raise DataMismatch(f"{path} was made with other data flags ({saved['made_with']}); use another --out")
+        return [distill.Targets(*item) for item in saved["train"]], [distill.Targets(*item) for item in saved["held"]]
+    print(f"generating {args.tokens} tokens with the target...", flush=True)
+    samples = distill.generate_samples(
+        target, tokenizer, tokens=args.tokens, max_new_tokens=args.max_new_tokens, batch=args.batch, seed=args.seed
+    )
+    held_count = max(1, len(samples) // HELD_OUT_FRACTION)
+    generated, held_seqs = samples[:-held_count], samples[-held_count:]
+    if args.data is not None:
+        generated += distill.text_samples(
+            tokenizer,
+            args.data.read_text(),
+            max_length=max(len(s) for s in samples),
+            bos=target.config.bos_token_id,
+        )
+    print("computing the target's distributions...", flush=True)
+    train_items = distill.target_distributions(target.module, generated, top_k=args.top_k, batch=args.batch)
+    held_out = distill.target_distributions(target.module, held_seqs, top_k=args.top_k, batch=args.batch)
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {
+            "made_with": made_with,
+            "train": [(t.tokens, t.ids, t.probs) for t in train_items],
+            "held": [(t.tokens, t.ids, t.probs) for t in held_out],
+        },
+        path,
+    )
+    return train_items, held_out
+
+
+def _table(trained: dict, baseline: dict) -> str:
+    """Acceptance rate per draft position, trained draft against the layer-skip start."""
+    temperature = f"T={trained['temperature']}"
+    lines = [
+        f"acceptance on held-out target generations (K = {trained['k']}, {trained['starts']} starts)",
+        f"{'':>8}  {'trained':>17}  {'layer-skip start':>17}",
+        f"{'position':>8}  {'greedy':>8} {temperature:>8}  {'greedy':>8} {temperature:>8}",
+    ]
+    rows = [
+        (str(position), *values)
+        for position, values in enumerate(
+            zip(
+                trained["greedy"]["per_position"],
+                trained["stochastic"]["per_position"],
+                baseline["greedy"]["per_position"],
+                baseline["stochastic"]["per_position"],
+                strict=True,
+            )
+        )
+    ]
+    rows.append(
+        (
+            "E[acc]",
+            *(result[kind]["expected_accepted"] for result in (trained, baseline) for kind in ("greedy", "stochastic")),
+        )
+    )
+    for name, g, s, base_g, base_s in rows:
+        lines.append(f"{name:>8}  {g:>8.3f} {s:>8.3f}  {base_g:>8.3f} {base_s:>8.3f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

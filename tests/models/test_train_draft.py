@@ -1,0 +1,193 @@
+"""`pdspec train-draft` (models/distill.py, pdspec/train_draft.py) on a tiny random target."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from models import distill
+from models.loader import load_model, load_pair
+from models.tokenizer import TextTokenizer
+from pdspec import cli
+from tests.models.hf_fixtures import WORDS, make_family_checkpoint
+
+pytest.importorskip("transformers")
+
+SMALL = ["--tokens", "300", "--max-new-tokens", "24", "--batch", "4", "--top-k", "16", "--lr", "3e-3", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """4 layers, vocabulary of 40 (the word tokenizer's 38 ids and two more), untied head."""
+    directory = tmp_path_factory.mktemp("target")
+    return make_family_checkpoint(directory, seed=5, layers=4, vocab_size=40, hidden=32, words=WORDS)
+
+
+def _train(target, out, *extra: str) -> int:
+    return cli.main(["train-draft", "--target-model", str(target), "--out", str(out), *SMALL, *extra])
+
+
+def _weights(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")
+
+
+def test_loss_falls(target, tmp_path):
+    model, tokenizer = load_model(target, dtype=torch.float32)
+    samples = distill.generate_samples(model, tokenizer, tokens=300, max_new_tokens=24, batch=4, seed=3)
+    items = distill.target_distributions(model.module, samples, top_k=16, batch=4)
+    draft = distill.init_draft(model.module, 2)
+    settings = distill.TrainSettings(steps=40, batch=4, lr=3e-3, seed=3, layers=2)
+    losses = distill.train(draft, items[2:], items[:2], settings, tmp_path, log=lambda _: None)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.6 * first, (first, last)
+
+
+def test_draft_starts_as_the_layer_skip_draft(target):
+    model, _ = load_model(target, dtype=torch.float32)
+    draft = distill.init_draft(model.module, 2)
+    source, copied = model.module.state_dict(), draft.state_dict()
+    assert sorted(copied) == sorted(
+        name for name in source if not name.startswith(("model.layers.2", "model.layers.3"))
+    )
+    assert torch.equal(copied["model.layers.1.mlp.down_proj.weight"], source["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(
+        copied["model.layers.0.self_attn.q_proj.weight"], source["model.layers.0.self_attn.q_proj.weight"]
+    )
+    assert torch.equal(copied["lm_head.weight"], source["lm_head.weight"])
+
+
+def test_saved_draft_loads_and_matches(target, tmp_path, capsys):
+    out = tmp_path / "draft"
+    assert _train(target, out, "--steps", "6", "--log-every", "3", "--eval") == 0
+    printed = capsys.readouterr().out
+    assert "step 6/6" in printed and "held-out top-1 agreement" in printed and "E[acc]" in printed
+    report = json.loads((out / "eval.json").read_text())
+    for draft, kind in itertools.product(("trained", "layer_skip"), ("greedy", "stochastic")):
+        rates = report[draft][kind]["per_position"]  # a chain: each position's rate at most the one before
+        assert len(rates) == 4 and all(0 <= b <= a <= 1 for a, b in itertools.pairwise(rates))
+
+    # the module trained, rebuilt from its last checkpoint
+    model, _ = load_model(target, dtype=torch.float32)
+    trained = distill.init_draft(model.module, 2)
+    trained.load_state_dict(torch.load(distill.latest_checkpoint(out), weights_only=True)["model"])
+    tokens = torch.tensor([[0, 5, 9, 3, 17, 2, 30, 11]])
+    with torch.no_grad():
+        expected = distill.dense_logits(trained, tokens)[0]  # [T, V]
+
+    pair = load_pair(target_model=target, draft_model=out)
+    assert pair.draft.vocab_size == pair.target.vocab_size and pair.draft.num_layers == 2
+    logits, state = pair.draft.prefill(tokens[0, :4].tolist())
+    rest = pair.draft.extend(state, tokens[0, 4:].tolist())
+    torch.testing.assert_close(torch.cat([logits[None], rest]), expected[3:], rtol=1e-5, atol=1e-5)
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_resume_gives_the_same_weights(target, tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert _train(target, whole, "--steps", "8", "--save-every", "4") == 0
+    shutil.copytree(whole, resumed)
+    distill.checkpoint_path(resumed, 8).unlink()  # as if stopped after step 4
+    (resumed / "model.safetensors").unlink()
+    assert distill.latest_checkpoint(resumed) == distill.checkpoint_path(resumed, 4)
+    assert _train(target, resumed, "--steps", "8", "--save-every", "4", "--resume") == 0
+    first, second = _weights(whole), _weights(resumed)
+    assert first.keys() == second.keys()
+    for name, tensor in first.items():
+        assert torch.equal(tensor, second[name]), name
+    at_4 = torch.load(distill.checkpoint_path(resumed, 4), weights_only=True)["model"]
+    assert not torch.equal(at_4["lm_head.weight"], first["lm_head.weight"])  # steps 5..8 did train
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag"),
+    [
+        (["--steps", "-1"], "--steps"),
+        (["--layers", "0"], "--layers"),
+        (["--layers", "5"], "--layers"),
+        (["--top-k", "-2"], "--top-k"),
+    ],
+)
+def test_bad_flags_name_the_flag(target, tmp_path, capsys, extra, flag):
+    with pytest.raises(SystemExit) as exit_info:
+        _train(target, tmp_path / "out", *extra)
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_missing_out_names_the_flag(target, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train-draft", "--target-model", str(target)])
+    assert exit_info.value.code == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_resume_needs_a_checkpoint_and_a_fresh_run_an_empty_out(target, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _train(target, tmp_path / "none", "--resume")
+    assert exit_info.value.code == 2 and "--resume" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert _train(target, out, "--steps", "2") == 0
+    with pytest.raises(SystemExit) as exit_info:
+        _train(target, out, "--steps", "2")
+    assert exit_info.value.code == 2 and "--out" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # a checkpoint of other training flags
+        _train(target, out, "--steps", "3", "--resume")
+    assert exit_info.value.code == 2 and "--resume" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # data made with other data flags
+        _train(target, out, "--steps", "2", "--resume", "--max-new-tokens", "25")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--out" in err and "other data flags" in err
+
+
+def test_kl_loss_is_the_kl_divergence():
+    logits = torch.tensor([[[2.0, 0.0, -1.0, 0.5]]])  # [B=1, T=1, V=4]
+    q = torch.softmax(logits, -1)[0, 0]
+    ids, probs = torch.tensor([[[3, 0]]]), torch.tensor([[[0.75, 0.25]]])  # a top-2 law, renormalised
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    expected = 0.75 * math.log(0.75 / q[3]) + 0.25 * math.log(0.25 / q[0])
+    assert float(distill.kl_loss(logits, mask, ids, probs)) == pytest.approx(expected, rel=1e-6)
+    matched = torch.log(torch.tensor([[[0.25, 1e-9, 1e-9, 0.75]]]))  # the draft's law is the target's
+    assert float(distill.kl_loss(matched, mask, ids, probs)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_magpie_samples_follow_the_chat_template(target):
+    """The target writes the user turn after the template's user prefix, then the answer."""
+    model, tokenizer = load_model(target, dtype=torch.float32)
+    tokenizer.tokenizer.chat_template = (
+        "{% for m in messages %}the cat {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}dog{% endif %}"
+    )
+    chat = TextTokenizer(tokenizer.tokenizer, model.eos_token_ids)
+    prefix, suffix = distill.magpie_prefix_suffix(chat)
+    assert (prefix, suffix) == (chat.encode("the cat"), chat.encode("</s> dog"))
+    samples = distill.generate_samples(model, chat, tokens=60, max_new_tokens=6, batch=2, seed=1)
+    for sample in samples:
+        assert sample[:2] == prefix
+        switch = next(i for i in range(2, len(sample)) if sample[i : i + 2] == suffix)
+        assert 2 <= switch <= 2 + 6 and 1 not in sample[2:switch]  # a user turn without its end token
+        assert 1 <= len(sample) - switch - 2 <= 6
+
+
+def test_data_file_adds_training_sequences(target, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat\n\nthe dog ran past the old red door\n")
+    plain, extra = tmp_path / "plain", tmp_path / "extra"
+    assert _train(target, plain, "--steps", "1") == 0
+    assert _train(target, extra, "--steps", "1", "--data", str(text)) == 0
+    before = torch.load(plain / "data.pt", weights_only=True)["train"]
+    after = torch.load(extra / "data.pt", weights_only=True)["train"]
+    assert len(after) == len(before) + 2
+    tokenizer = load_model(target, dtype=torch.float32)[1]
+    assert after[-1][0] == [0, *tokenizer.encode("the dog ran past the old red door")]  # BOS, then the line
