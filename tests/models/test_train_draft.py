@@ -191,3 +191,21 @@ def test_data_file_adds_training_sequences(target, tmp_path):
     assert len(after) == len(before) + 2
     tokenizer = load_model(target, dtype=torch.float32)[1]
     assert after[-1][0] == [0, *tokenizer.encode("the dog ran past the old red door")]  # BOS, then the line
+
+
+def test_a_trained_draft_serves_through_both_nodes(target, tmp_path):
+    """The saved directory as --draft-model on both nodes (real gRPC on loopback): greedy K = 4
+    emits the K = 0 tokens with drafts verified and some accepted; the output law stays the
+    verifier's, which no draft can change (tests/nodes distribution tests)."""
+    from tests.nodes.conftest import cluster
+
+    out = tmp_path / "draft"
+    assert _train(target, out, "--steps", "30", "--layers", "2") == 0
+    pair = load_pair(target_model=target, draft_model=out, dtype=torch.float32)
+    prompt = " ".join(WORDS[:6])
+    with cluster(pair) as (client, _, _):
+        spec = client.generate(prompt, greedy=True, num_speculative_tokens=4, max_new_tokens=24)
+        plain = client.generate(prompt, greedy=True, num_speculative_tokens=0, max_new_tokens=24)
+    assert spec.token_ids == plain.token_ids and len(spec.token_ids) >= 8
+    assert spec.stats.verify_steps > 0 and spec.stats.draft_tokens == 4 * spec.stats.verify_steps
+    assert spec.stats.accepted_tokens > 0
