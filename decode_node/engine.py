@@ -160,14 +160,7 @@ class DecodeEngine:
         # Draft ids were validated at the wire (protos/validation) or come from d2t: no value
         # checks, which would each make the host wait for the step's forward.
         self.verifier = verifier or Verifier(config.sampler_backend, config.device, check_values=False)
-        self.proposer = Proposer.for_pair(
-            pair,
-            config.speculative_method,
-            config.draft_law,
-            config.max_tree_nodes,
-            config.device,
-            (config.prompt_lookup_min, config.prompt_lookup_max),
-        )
+        self.proposer = Proposer.for_node(pair, config)
         self.costs = config.step_costs or StepCosts((1.0,) * (config.max_speculative_tokens + 1))
         # Prompt lookup with adaptive K: whether a batch speculates at all, from its measured steps.
         self.gate = BatchGate() if config.adaptive and self.proposer.method == LOOKUP else None

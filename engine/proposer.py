@@ -272,6 +272,17 @@ class Row(Protocol):
     candidates: int  # per tree node (1: a chain)
 
 
+class DraftingConfig(Protocol):
+    """The drafting fields both nodes' engine configs carry."""
+
+    speculative_method: str
+    draft_law: DraftLaw
+    max_tree_nodes: int
+    device: str
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+
 @dataclass(frozen=True)
 class Plan:
     source: str  # what would propose for the row
@@ -301,17 +312,17 @@ class Proposer:
         self.lookup_range = lookup_range  # prompt lookup's n-gram lengths (--prompt-lookup-min/-max)
 
     @classmethod
-    def for_pair(
-        cls,
-        pair: ModelPair,
-        method: str,
-        law: DraftLaw,
-        max_tree_nodes: int,
-        device: str | torch.device,
-        lookup_range: tuple[int, int],
-    ) -> Proposer:
+    def for_node(cls, pair: ModelPair, config: DraftingConfig) -> Proposer:
         """A node's proposer: d2t on the node's device, trees where both models mask by tree."""
-        return cls(method, pair.draft, pair.d2t.to(device), law, pair.supports_trees, max_tree_nodes, lookup_range)
+        return cls(
+            config.speculative_method,
+            pair.draft,
+            pair.d2t.to(config.device),
+            config.draft_law,
+            pair.supports_trees,
+            config.max_tree_nodes,
+            (config.prompt_lookup_min, config.prompt_lookup_max),
+        )
 
     def index(self, row: Row) -> None:
         """Give a row that may use prompt lookup its context index (over its history list)."""

@@ -147,14 +147,7 @@ class PrefillEngine:
         self.contract = pair.contract()
         self.fingerprint = self.contract.fingerprint()
         self.max_speculative_tokens = config.max_speculative_tokens
-        self.proposer = Proposer.for_pair(
-            pair,
-            config.speculative_method,
-            config.draft_law,
-            config.max_tree_nodes,
-            config.device,
-            (config.prompt_lookup_min, config.prompt_lookup_max),
-        )
+        self.proposer = Proposer.for_node(pair, config)
         self.max_draft_candidates = config.max_draft_candidates if self.trees else 1  # lowered to the peer's
         self._lock = threading.Lock()  # one caller runs the models at a time (they need not be thread-safe)
         self._jobs_lock = threading.Lock()
