@@ -1,6 +1,6 @@
 """What speculation buys on the shipped model: every method and K against K = 0, in one run.
 
-    python bench/speedup.py [--device cpu] [--target-model smollm2-135m-instruct] [--draft-layers 8]
+    python bench/speedup.py [--device cpu] [--target-model smollm2-135m-instruct] [--draft-layers 8 | --draft-model DIR]
         [--configs k0,draft:4,prompt-lookup:4,prompt-lookup:8,hybrid:4] [--temperatures 0,0.7,1]
         [--batches 1,16] [--max-new-tokens 128] [--prompts bench/prompts/speedup.jsonl]
 
@@ -154,6 +154,9 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--target-model", default="smollm2-135m-instruct")
     parser.add_argument("--draft-layers", type=int, default=8)
+    parser.add_argument(
+        "--draft-model", default=None, help="a draft checkpoint (e.g. `pdspec train-draft`'s) instead of --draft-layers"
+    )
     parser.add_argument("--configs", default="k0,draft:4,prompt-lookup:4,prompt-lookup:8,hybrid:4")
     parser.add_argument("--temperatures", default="0,0.7,1")
     parser.add_argument("--batches", default="1,16")
@@ -179,7 +182,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     models = ModelSpec(
         target_model=args.target_model,
-        draft_layers=args.draft_layers,
+        draft_model=args.draft_model,
+        draft_layers=None if args.draft_model else args.draft_layers,
         device=args.device,
         dtype=args.dtype,
         kv_cache_bytes=args.kv_cache_bytes,
@@ -261,6 +265,7 @@ def main() -> None:
         **environment(),
         "device": args.device,
         "target_model": args.target_model,
+        "draft": args.draft_model or f"layer-skip {args.draft_layers}",
         "max_new_tokens": str(args.max_new_tokens),
         "sampled_seeds": "none" if args.unseeded else "per request",
     }

@@ -17,7 +17,9 @@ a KV store that attends causally within each row and keeps nothing.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models.llama import LlamaCausalLM, LlamaConfig, LlamaForCausalLM, rope_inv_freq
+from models.base import CausalLM
+from models.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
 from models.tokenizer import TextTokenizer
 
 MAGPIE_PLACEHOLDER = "\x00MAGPIE\x00"  # stands for the message text when cutting the chat template
@@ -97,37 +100,41 @@ def magpie_prefix_suffix(tokenizer: TextTokenizer) -> tuple[list[int], list[int]
 
 
 def _sample(logits: torch.Tensor, generator: torch.Generator) -> list[int]:
-    """One T = 1 draw per row of logits [R, V], on the CPU so a seed gives the same draws anywhere."""
-    probs = torch.softmax(logits.float().cpu(), dim=-1)  # [R, V]
+    """One T = 1 draw per row of logits [R, V], on the logits' device with `generator` (made on
+    that device: a seed gives the same draws on the same kind of device); one host read."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [R, V]
     return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
 
 
 def _continue(
-    target: LlamaCausalLM, prompts: list[list[int]], max_new: int, stop: set[int], generator: torch.Generator
+    target: CausalLM, prompts: list[list[int]], max_new: int, stop: set[int], generator: torch.Generator
 ) -> list[list[int]]:
-    """Sample up to `max_new` tokens after each prompt, all rows in one batched forward per
-    step; a row ends after a stop id (kept in its output)."""
-    states, logits = [], []
-    for prompt in prompts:
-        row_logits, state = target.prefill(prompt)
-        states.append(state)
-        logits.append(row_logits)
-    outputs: list[list[int]] = [[] for _ in prompts]
-    live = list(range(len(prompts)))
-    last = torch.stack(logits)  # [R, V]
-    while live:
-        drawn = _sample(last, generator)
-        for row, token in zip(live, drawn, strict=True):
-            outputs[row].append(token)
-        live = [row for row in live if outputs[row][-1] not in stop and len(outputs[row]) < max_new]
-        if live:
-            rows = target.extend_batch([states[row] for row in live], [[outputs[row][-1]] for row in live])
-            last = torch.stack([r[-1] for r in rows])  # [R', V]
-    return outputs
+    """Sample up to `max_new` tokens after each prompt: the prompts in one forward, then every
+    live row in one batched forward per step; a row ends after a stop id (kept in its output).
+    The rows' KV is reserved up front (a paged target's pool) and released at the end."""
+    states = [target.empty_state() for _ in prompts]
+    try:
+        for state, prompt in zip(states, prompts, strict=True):
+            target.reserve(state, len(prompt) + max_new)
+        last = target.extend_last(states, prompts)  # [R, V]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        live = list(range(len(prompts)))
+        while live:
+            drawn = _sample(last, generator)
+            for row, token in zip(live, drawn, strict=True):
+                outputs[row].append(token)
+            live = [row for row in live if outputs[row][-1] not in stop and len(outputs[row]) < max_new]
+            if live:
+                rows = target.extend_batch([states[row] for row in live], [[outputs[row][-1]] for row in live])
+                last = torch.stack([r[-1] for r in rows])  # [R', V]
+        return outputs
+    finally:
+        for state in states:
+            target.release(state)
 
 
 def generate_samples(
-    target: LlamaCausalLM,
+    target: CausalLM,
     tokenizer: TextTokenizer,
     *,
     tokens: int,
@@ -140,8 +147,10 @@ def generate_samples(
     sequences. With a chat template: the template's user-turn prefix, a sampled user turn (at
     most `max_new_tokens`), the template's turn switch, a sampled answer (at most
     `max_new_tokens`). Without one: `max_new_tokens` sampled after BOS (or after one uniformly
-    drawn token when the model has no BOS)."""
-    generator = torch.Generator().manual_seed(seed)
+    drawn token when the model has no BOS). `target`: any CausalLM (on a GPU, the paged engine
+    batches the rows' attention); the draws run on its device."""
+    device = torch.device(target.device)
+    generator = torch.Generator(device=device).manual_seed(seed)
     stop = set(tokenizer.eos_token_ids) | set(target.eos_token_ids)
     template = magpie_prefix_suffix(tokenizer)
     bos = target.config.bos_token_id
@@ -157,7 +166,7 @@ def generate_samples(
             generated += sum(len(u) + len(a) for u, a in zip(users, answers, strict=True))
         else:
             starts = [
-                [bos] if bos is not None else [int(torch.randint(target.vocab_size, (1,), generator=generator))]
+                [bos] if bos is not None else [int(torch.randint(target.vocab_size, (1,), generator=generator, device=device))]
                 for _ in range(batch)
             ]
             continuations = _continue(target, starts, max_new_tokens, stop, generator)
@@ -230,12 +239,18 @@ def collate(items: Sequence[Targets], device) -> tuple[torch.Tensor, torch.Tenso
 # ---------------------------------------------------------------------------------------
 
 
-def init_draft(target: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
+def init_draft(target: LlamaForCausalLM, layers: int, *, train_embeddings: bool = False) -> LlamaForCausalLM:
     """A float32 draft: the target's config with its first `layers` decoder layers, embeddings,
     final norm and head, copied. It starts as the layer-skip draft of `--draft-layers N`: on
     SmolLM2-135M with 2 layers (a few hundred generated tokens) that start had a KL of 16 nats
     and 5% top-1 agreement, the evenly spaced layers 0 and 29 had 58 nats and 0% (the last
-    layer's output does not fit the first's input)."""
+    layer's output does not fit the first's input).
+
+    Unless `train_embeddings`, the embeddings and the head stay the target's (frozen, as
+    EAGLE and Medusa keep them): the draft learns to reach the target's last hidden state in
+    its few layers. On a small model the vocabulary matrices are most of the weights (28 of
+    35M on SmolLM2 with 2 layers); training them on a few hundred thousand tokens mostly
+    overfits, and with a tied head it would move the inputs too."""
     from dataclasses import replace
 
     if not 1 <= layers <= target.config.num_layers:
@@ -249,6 +264,9 @@ def init_draft(target: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
     }
     draft.load_state_dict(kept)
     draft.inv_freq = rope_inv_freq(config)
+    if not train_embeddings:
+        draft.model.embed_tokens.weight.requires_grad_(False)
+        draft.lm_head.weight.requires_grad_(False)
     return draft.to(target.lm_head.weight.device)
 
 
@@ -261,13 +279,20 @@ def kl_loss(logits: torch.Tensor, mask: torch.Tensor, ids: torch.Tensor, probs: 
     return per_position[mask].mean()
 
 
+def mixed_precision(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on a GPU (float32 master weights, the loss in float32), nothing on the CPU."""
+    if device.type == "cpu":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
 def top1_agreement(module: LlamaForCausalLM, items: Sequence[Targets], batch: int) -> float:
     """Fraction of positions where the draft's argmax is the target's."""
     device = module.lm_head.weight.device
     hits = total = 0
     for start in range(0, len(items), batch):
         tokens, mask, ids, probs = collate(items[start : start + batch], device)
-        with torch.inference_mode():
+        with torch.inference_mode(), mixed_precision(device):
             logits = dense_logits(module, tokens)  # [B, T, V]
         target_top = ids.gather(-1, probs.argmax(-1, keepdim=True))[..., 0]  # [B, T]
         hits += int(((logits.argmax(-1) == target_top) & mask).sum())
@@ -390,6 +415,9 @@ def acceptance(
 # ---------------------------------------------------------------------------------------
 
 
+PROGRESS_HELD_OUT = 64  # held-out sequences behind each progress line's agreement
+
+
 class CheckpointMismatch(ValueError):
     """A checkpoint to resume from was made with other training settings."""
 
@@ -403,6 +431,7 @@ class TrainSettings:
     lr: float
     seed: int
     layers: int
+    train_embeddings: bool = False
 
 
 def lr_at(step: int, settings: TrainSettings) -> float:
@@ -456,7 +485,7 @@ def save_checkpoint(directory: Path, step: int, draft, optimizer, settings: Trai
 
 
 def make_optimizer(draft: LlamaForCausalLM, settings: TrainSettings) -> torch.optim.AdamW:
-    return torch.optim.AdamW(draft.parameters(), lr=settings.lr, weight_decay=0.01)
+    return torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=settings.lr, weight_decay=0.01)
 
 
 def train(
@@ -487,25 +516,33 @@ def train(
         draft.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, losses = state["step"], list(state["losses"])
+    probe = held_out[:PROGRESS_HELD_OUT]  # the progress lines' agreement: a fixed, bounded sample
     draft.train()
+    started, first_step, tokens_seen = time.perf_counter(), step, 0
     while step < settings.steps:
         items = [train_items[i] for i in batch_indices(step, settings.batch, len(train_items), settings.seed)]
         tokens, mask, ids, probs = collate(items, device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, settings)
-        loss = kl_loss(dense_logits(draft, tokens), mask, ids, probs)
+        with mixed_precision(device):
+            logits = dense_logits(draft, tokens)  # [B, T, V]
+        loss = kl_loss(logits, mask, ids, probs)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
+        tokens_seen += int(mask.sum())
         step += 1
         if step % log_every == 0 or step == settings.steps:
             recent = losses[-log_every:]
-            agreement = top1_agreement(draft, held_out, settings.batch)
+            agreement = top1_agreement(draft, probe, settings.batch)
+            elapsed = time.perf_counter() - started
+            eta = elapsed / (step - first_step) * (settings.steps - step)
             log(
                 f"step {step}/{settings.steps}  loss {sum(recent) / len(recent):.4f}  "
-                f"lr {lr_at(step - 1, settings):.2e}  held-out top-1 agreement {agreement:.3f}"
+                f"lr {lr_at(step - 1, settings):.2e}  held-out top-1 agreement {agreement:.3f}  "
+                f"{tokens_seen / elapsed:,.0f} tokens/s  eta {eta:.0f} s"
             )
         if step % save_every == 0 or step == settings.steps:
             save_checkpoint(directory, step, draft, optimizer, settings, losses)

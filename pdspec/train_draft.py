@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 
 from pdspec.config import EnvArgumentParser
@@ -54,7 +55,9 @@ def build_parser() -> EnvArgumentParser:
     flag("--top-k", default=64, type=_non_negative_int, help="target law kept per position (0 = full vocabulary)")
     flag("--data", default=None, type=Path, help="extra training text: one document per line")
     flag("--steps", default=1000, type=_positive_int, help="optimizer steps in total")
-    flag("--batch", default=8, type=_positive_int, help="sequences per step")
+    flag("--batch", default=8, type=_positive_int, help="sequences per optimizer step")
+    flag("--gen-batch", default=32, type=_positive_int, help="sequences the target generates at once")
+    flag("--train-embeddings", default=False, type=bool, help="train the embeddings and head too (default: frozen)")
     flag("--lr", default=3e-4, type=_positive_float, help="peak AdamW learning rate")
     flag("--seed", default=0, type=int, help="seed of the generations and the data order")
     flag("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -66,6 +69,7 @@ def build_parser() -> EnvArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    began = time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(argv)
     from models import distill
@@ -96,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         train_items, held_out = _data(args, target, tokenizer)
     except DataMismatch as err:
         parser.error(f"--out: {err}")
-    settings = distill.TrainSettings(args.steps, args.batch, args.lr, args.seed, args.layers)
-    draft = distill.init_draft(target.module, args.layers)
+    settings = distill.TrainSettings(
+        args.steps, args.batch, args.lr, args.seed, args.layers, train_embeddings=args.train_embeddings
+    )
+    draft = distill.init_draft(target.module, args.layers, train_embeddings=args.train_embeddings)
     print(
         f"draft: the target's first {args.layers} of {total} layers, then trained; "
         f"{len(train_items)} training / {len(held_out)} held-out sequences",
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     except distill.CheckpointMismatch as err:
         parser.error(f"--resume: {err}")
     distill.save_hf_draft(draft, tokenizer, out)
-    print(f"draft saved to {out} (serve it with --draft-model {out})")
+    print(f"draft saved to {out} (serve it with --draft-model {out}); {time.perf_counter() - began:.0f} s in all")
     if args.eval:
         trained = distill.acceptance(target.module, draft, [item.tokens for item in held_out], k=EVAL_K)
         (out / "eval.json").write_text(json.dumps({"trained": trained, "layer_skip": baseline}, indent=2) + "\n")
@@ -155,9 +161,18 @@ def _data(args, target, tokenizer):
             raise DataMismatch(f"{path} was made with other data flags ({saved['made_with']}); use another --out")
         return [distill.Targets(*item) for item in saved["train"]], [distill.Targets(*item) for item in saved["held"]]
     print(f"generating {args.tokens} tokens with the target...", flush=True)
+    started = time.perf_counter()
     samples = distill.generate_samples(
-        target, tokenizer, tokens=args.tokens, max_new_tokens=args.max_new_tokens, batch=args.batch, seed=args.seed
+        _generator_model(target, args),
+        tokenizer,
+        tokens=args.tokens,
+        max_new_tokens=args.max_new_tokens,
+        batch=args.gen_batch,
+        seed=args.seed,
     )
+    seconds = time.perf_counter() - started
+    made = sum(len(s) for s in samples)
+    print(f"generated {len(samples)} sequences ({made} tokens with prompts) in {seconds:.0f} s", flush=True)
     held_count = max(1, len(samples) // HELD_OUT_FRACTION)
     generated, held_seqs = samples[:-held_count], samples[-held_count:]
     if args.data is not None:
@@ -168,8 +183,10 @@ def _data(args, target, tokenizer):
             bos=target.config.bos_token_id,
         )
     print("computing the target's distributions...", flush=True)
+    started = time.perf_counter()
     train_items = distill.target_distributions(target.module, generated, top_k=args.top_k, batch=args.batch)
     held_out = distill.target_distributions(target.module, held_seqs, top_k=args.top_k, batch=args.batch)
+    print(f"target distributions in {time.perf_counter() - started:.0f} s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(
         {
@@ -180,6 +197,18 @@ def _data(args, target, tokenizer):
         path,
     )
     return train_items, held_out
+
+
+def _generator_model(target, args):
+    """The model that generates the data: on a GPU, the target on a paged KV pool (the rows'
+    attention in one batched kernel, as the nodes serve it; eager, so nothing compiles) sized
+    for --gen-batch rows of two turns; on the CPU the target itself."""
+    if target.device.type == "cpu":
+        return target
+    from engine.paged_lm import PagedLlamaLM, bytes_per_token
+
+    rows_tokens = args.gen_batch * (2 * args.max_new_tokens + 256)  # + the chat template's turns
+    return PagedLlamaLM.with_pool(target, rows_tokens * bytes_per_token(target), eager=True)
 
 
 def _table(trained: dict, baseline: dict) -> str:
