@@ -166,7 +166,9 @@ def generate_samples(
             generated += sum(len(u) + len(a) for u, a in zip(users, answers, strict=True))
         else:
             starts = [
-                [bos] if bos is not None else [int(torch.randint(target.vocab_size, (1,), generator=generator, device=device))]
+                [bos]
+                if bos is not None
+                else [int(torch.randint(target.vocab_size, (1,), generator=generator, device=device))]
                 for _ in range(batch)
             ]
             continuations = _continue(target, starts, max_new_tokens, stop, generator)
