@@ -153,14 +153,17 @@ class DecodeEngine:
         config: DecodeConfig,
         metrics: NodeMetrics | None = None,
         verifier: Verifier | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
+        """`verifier` and `proposer` default to the config's; a caller may give its own (a
+        benchmark drafting at a known acceptance rate, a test's recording sampler)."""
         self.pair = pair
         self.config = config
         self.metrics = metrics
         # Draft ids were validated at the wire (protos/validation) or come from d2t: no value
         # checks, which would each make the host wait for the step's forward.
         self.verifier = verifier or Verifier(config.sampler_backend, config.device, check_values=False)
-        self.proposer = Proposer.for_node(pair, config)
+        self.proposer = proposer or Proposer.for_node(pair, config)
         self.costs = config.step_costs or StepCosts((1.0,) * (config.max_speculative_tokens + 1))
         # Prompt lookup with adaptive K: whether a batch speculates at all, from its measured steps.
         self.gate = BatchGate() if config.adaptive and self.proposer.method == LOOKUP else None
