@@ -17,6 +17,8 @@ Exactness makes every speculative run emit it token for token, which every run c
 verify pass that rounds differently from the K = 0 step, bf16 on a GPU, could flip a near tie;
 after such a flip the oracle's "right" drafts are wrong, which the acceptance bound shows too).
 A random model's EOS is an arbitrary id: it is switched off, so every request runs its budget.
+Random weights give near-flat logits whose argmax bf16 rounding flips: `chained_logits` makes
+the greedy continuation a permutation chain with a wide margin instead (same shapes, same bytes).
 
 The random-weight Llama of a real shape (bench/gpu_e2e.py: bf16 on a GPU) in the real prefill
 and decode engines, in process (no gRPC). Per batch size the requests are prefilled once, at
@@ -114,6 +116,27 @@ class OracleProposer(Proposer):
             ]
             out.append(Proposal(ids, list(range(-1, depth - 1)), None, DRAFT))
         return out
+
+
+def chained_logits(module, seed: int) -> None:
+    """Give the random model a greedy continuation that rounding cannot flip. With std-0.02
+    weights everywhere the logits are nearly flat, and a K+1-query verify pass, whose matmuls
+    round differently in bf16 from a 1-query step's, flips their argmax within a few tokens
+    (on an H200 the speculative outputs left K = 0's at once and the oracle's drafts were
+    then 2% right). Here the embeddings have std 32, so the residual stream is mostly the
+    current token's embedding (each random layer of the 8B shape adds ~2 per element, 32 of
+    them ~12), and the head's rows
+    are those embeddings permuted: the argmax is the permutation's image of the current token,
+    by a margin of ~sqrt(hidden) standard deviations. Same shapes and bytes, so the same
+    step times."""
+    generator = torch.Generator(device=module.lm_head.weight.device).manual_seed(seed)
+    embed = module.model.embed_tokens.weight
+    with torch.no_grad():
+        embed.normal_(0.0, 32.0, generator=generator)
+        if module.lm_head.weight is embed:  # a tied head: untie it, as an untied checkpoint would be
+            module.lm_head.weight = torch.nn.Parameter(embed.detach().clone(), requires_grad=False)
+        order = torch.randperm(embed.shape[0], generator=generator, device=embed.device)
+        module.lm_head.weight.copy_(embed[order])  # logit v is <h, e[order[v]]>: largest where order[v] = token
 
 
 def expected_accepted(alpha: float, k: int) -> float:
@@ -346,6 +369,7 @@ def main() -> None:
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     torch.manual_seed(args.seed)
     target = random_model(args.shape, device, dtype)
+    chained_logits(target.module, args.seed)
     target.eos_token_ids = ()  # random weights: EOS is an arbitrary id, and every run should do the same work
     # The pair's draft is never run (the oracle drafts, K = 0 runs draft nothing): one layer, a small pool.
     raw = ModelPair(target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer())
