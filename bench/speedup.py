@@ -197,7 +197,8 @@ def main() -> None:
         chosen = [p for p in prompts if p["class"] in classes]
         if args.limit:
             chosen = [p for c in classes for p in [q for q in chosen if q["class"] == c][: args.limit]]
-        groups[label] = chosen
+        if chosen:  # a prompts file may hold one group only
+            groups[label] = chosen
 
     results: dict[tuple, tuple[list[dict], float]] = {}  # (config, T, batch, group) -> (rows, wall seconds)
     by_method: dict[str, list[Config]] = {}
@@ -206,7 +207,10 @@ def main() -> None:
     for method, group in by_method.items():
         with nodes(models, method, max(batches)) as (client, decode):
             print(f"# {method}: step costs {decode.engine.costs}", flush=True)
-            run_set(client, prompts[:2], group[0].k, 0, 1, 8, True)  # warm-up: first-use graphs and allocations
+            # Warm-up, untimed: each group's longest prompt for the whole budget, so the CUDA graphs of
+            # every key width a timed run reaches are captured (else the first timed config pays them).
+            longest = [max(chosen, key=lambda p: len(p["ids"])) for chosen in groups.values()]
+            run_set(client, longest, group[0].k, 0, 1, args.max_new_tokens, True)
             for config in group:
                 for temperature in temperatures:
                     for batch in batches:
