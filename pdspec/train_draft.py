@@ -151,6 +151,7 @@ def _data(args, target, tokenizer):
         "target_model": str(args.target_model),
         "tokens": args.tokens,
         "max_new_tokens": args.max_new_tokens,
+        "gen_batch": args.gen_batch,
         "top_k": args.top_k,
         "seed": args.seed,
         "data": None if args.data is None else hashlib.sha256(args.data.read_bytes()).hexdigest(),
@@ -163,7 +164,13 @@ def _data(args, target, tokenizer):
     print(f"generating {args.tokens} tokens with the target...", flush=True)
     started = time.perf_counter()
     samples = distill.generate_samples(
-        _generator_model(target, args),
+        generator_model(
+            target,
+            tokenizer,
+            gen_batch=args.gen_batch,
+            max_new_tokens=args.max_new_tokens,
+            paged=target.device.type != "cpu",
+        ),
         tokenizer,
         tokens=args.tokens,
         max_new_tokens=args.max_new_tokens,
@@ -199,16 +206,20 @@ def _data(args, target, tokenizer):
     return train_items, held_out
 
 
-def _generator_model(target, args):
-    """The model that generates the data: on a GPU, the target on a paged KV pool (the rows'
-    attention in one batched kernel, as the nodes serve it; eager, so nothing compiles) sized
-    for --gen-batch rows of two turns; on the CPU the target itself."""
-    if target.device.type == "cpu":
+def generator_model(target, tokenizer, *, gen_batch: int, max_new_tokens: int, paged: bool):
+    """The model that generates the data. Paged (on a GPU): the target on a KV pool of its own
+    (the rows' attention in one batched kernel, as the nodes serve it; eager, so nothing
+    compiles), sized for `gen_batch` rows of the longest sequence a generation makes: the chat
+    template's text (or BOS) and two turns of `max_new_tokens`. Else the target itself."""
+    if not paged:
         return target
-    from engine.paged_lm import PagedLlamaLM, bytes_per_token
+    from engine.paged_lm import BLOCK_SIZE, PagedLlamaLM, bytes_per_token
+    from models import distill
 
-    rows_tokens = args.gen_batch * (2 * args.max_new_tokens + 256)  # + the chat template's turns
-    return PagedLlamaLM.with_pool(target, rows_tokens * bytes_per_token(target), eager=True)
+    template = distill.magpie_prefix_suffix(tokenizer)
+    turns = 1 if template is None else len(template[0]) + len(template[1])
+    row = turns + 2 * max_new_tokens + 2 * BLOCK_SIZE  # a partial block per reservation
+    return PagedLlamaLM.with_pool(target, (gen_batch * row + BLOCK_SIZE) * bytes_per_token(target), eager=True)
 
 
 def _table(trained: dict, baseline: dict) -> str:

@@ -217,14 +217,21 @@ def test_a_trained_draft_serves_through_both_nodes(target, tmp_path):
 
 
 def test_generation_on_a_paged_pool_matches_and_frees_its_blocks(target):
-    """The GPU data path (the target on the engine's paged KV pool), run on the CPU: the same
-    seeded generations as the target alone, and every reserved block back in the pool."""
-    from engine.paged_lm import PagedLlamaLM, bytes_per_token
+    """The GPU data path (the target on a paged KV pool sized by `generator_model`), run on the
+    CPU with a chat template, some turns running to their length: the same seeded generations as
+    the target alone, no reservation refused, and every block back in the pool."""
+    from pdspec.train_draft import generator_model
 
     model, tokenizer = load_model(target, dtype=torch.float32)
-    paged = PagedLlamaLM.with_pool(model, 4 * 80 * bytes_per_token(model), eager=True)
+    tokenizer.tokenizer.chat_template = (
+        "{% for m in messages %}the cat {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}dog{% endif %}"
+    )
+    chat = TextTokenizer(tokenizer.tokenizer, model.eos_token_ids)
+    paged = generator_model(model, chat, gen_batch=4, max_new_tokens=12, paged=True)
     free = paged.pool.free_blocks
-    plain = distill.generate_samples(model, tokenizer, tokens=80, max_new_tokens=12, batch=4, seed=7)
-    pooled = distill.generate_samples(paged, tokenizer, tokens=80, max_new_tokens=12, batch=4, seed=7)
+    plain = distill.generate_samples(model, chat, tokens=80, max_new_tokens=12, batch=4, seed=7)
+    pooled = distill.generate_samples(paged, chat, tokens=80, max_new_tokens=12, batch=4, seed=7)
     assert pooled == plain
+    assert max(len(sample) for sample in plain) == 2 + 12 + 2 + 12  # template, user turn, switch, answer
     assert paged.pool.free_blocks == free
