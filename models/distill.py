@@ -354,6 +354,26 @@ def save_hf_draft(module: LlamaForCausalLM, tokenizer: TextTokenizer, out: Path)
     tokenizer.tokenizer.save_pretrained(out)
 
 
+def draft_vocabulary(sequences: Sequence[list[int]], size: int, vocab_size: int, always: Sequence[int]) -> torch.Tensor:
+    """The `size` ids a reduced draft head keeps (EAGLE-3's draft vocabulary): `always` (the
+    stop ids) and the most frequent ids of the target's generations (ties by id), ascending."""
+    tokens = torch.tensor([t for seq in sequences for t in seq], dtype=torch.int64)
+    counts = torch.bincount(tokens, minlength=vocab_size)[:vocab_size]
+    chosen = list(dict.fromkeys(always))[:size]
+    taken = set(chosen)
+    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
+    chosen += [i for i in order if i not in taken][: size - len(chosen)]
+    return torch.tensor(sorted(chosen), dtype=torch.int64)
+
+
+def save_d2t(head_ids: torch.Tensor, out: Path) -> None:
+    """`d2t.json` beside the weights: draft id i proposes target id head_ids[i]. The loaders
+    then keep only those rows of the head (models/llama.restrict_head); transformers ignores it."""
+    import json
+
+    (out / "d2t.json").write_text(json.dumps({"format": "absolute", "d2t": head_ids.tolist()}) + "\n")
+
+
 # ---------------------------------------------------------------------------------------
 # Acceptance estimates on held-out target generations
 # ---------------------------------------------------------------------------------------
@@ -367,13 +387,15 @@ def acceptance(
     k: int = 4,
     temperature: float = 0.7,
     batch: int = 8,
+    head_ids: torch.Tensor | None = None,
 ) -> dict:
     """Teacher-forced acceptance estimates along held-out sequences, for a step starting at
     every position s with K = k drafts. Greedy: draft i is accepted iff the draft's argmax
     equals the target's at positions s..s+i (the top-1 agreement chain). Stochastic at
     `temperature`: draft i is accepted with probability prod_{j<=i} sum_v min(p, q) at s+j, p and
     q the draft's and target's tempered laws. Rates are averaged over the starts that have
-    k positions ahead; `per_position[i]` is the rate of accepting draft i."""
+    k positions ahead; `per_position[i]` is the rate of accepting draft i. `head_ids`: the
+    draft as served with a reduced head (`draft_vocabulary`), its law over those ids only."""
     device = target.lm_head.weight.device
     greedy_sum = torch.zeros(k, dtype=torch.float64)
     stochastic_sum = torch.zeros(k, dtype=torch.float64)
@@ -384,6 +406,10 @@ def acceptance(
         with torch.inference_mode():
             q_logits = dense_logits(target, tokens).float()  # [B, T, V]
             p_logits = dense_logits(draft, tokens).float()
+            if head_ids is not None:  # the served draft proposes these ids only
+                outside = torch.ones(p_logits.shape[-1], dtype=torch.bool, device=device)
+                outside[head_ids.to(device)] = False
+                p_logits = p_logits.masked_fill(outside, float("-inf"))
         agree = (q_logits.argmax(-1) == p_logits.argmax(-1)).double()  # [B, T]
         overlap = (
             torch.minimum(torch.softmax(q_logits / temperature, -1), torch.softmax(p_logits / temperature, -1))

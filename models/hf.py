@@ -215,6 +215,14 @@ def _checkpoint_digest(path: Path) -> str:
     return digest.hexdigest()[:12]
 
 
+def read_d2t_length(path: Path) -> int:
+    """How many draft ids `d2t.json` maps (its list's length)."""
+    spec = json.loads(path.read_text())
+    if not isinstance(spec.get("d2t"), list):
+        raise ValueError(f"d2t: expected a list under 'd2t' in {path}, got {type(spec.get('d2t')).__name__}")
+    return len(spec["d2t"])
+
+
 def load_d2t_file(path: Path, draft_vocab: int, target_vocab: int) -> torch.Tensor:
     """An absolute d2t map from `d2t.json`, converting an offset map once."""
     spec = json.loads(path.read_text())

@@ -698,6 +698,28 @@ def layer_skip_draft(target: LlamaCausalLM, draft_layers: int) -> LlamaCausalLM:
     )
 
 
+def restrict_head(model: LlamaCausalLM, head_ids: torch.Tensor) -> None:
+    """An EAGLE-3-style reduced draft vocabulary, in place: the head keeps only the rows
+    `head_ids` [Vd] (distinct ids of the model's vocabulary; the draft's d2t map), so the model's
+    outputs are the logits of those Vd tokens, in that order. The embeddings stay whole: the
+    model still reads every id of the full vocabulary. On SmolLM2 the tied 49k-row head is 28M
+    of a 2-layer draft's 35M weights; 8k rows make a draft token ~3x cheaper on a CPU."""
+    vocab = model.config.vocab_size
+    ids = head_ids.to(torch.int64).cpu()
+    valid = ids.ndim == 1 and len(ids) > 0 and int(ids.min()) >= 0 and int(ids.max()) < vocab
+    if not valid or len(set(ids.tolist())) != len(ids):
+        raise ValueError(f"head_ids: expected distinct ids in 0..{vocab - 1}, got {ids.tolist()[:8]}... ({len(ids)})")
+    module = model.module
+    head = Linear(model.config.hidden_size, len(ids), bias=False, device=model.device, dtype=model.dtype)
+    with torch.no_grad():
+        head.weight.copy_(module.lm_head.weight[ids.to(model.device)])  # a copy: a tied head stays the embedding's
+    head.requires_grad_(False)
+    module.lm_head = head
+    model.vocab_size = len(ids)
+    digest = hashlib.sha256(ids.numpy().astype("<i8").tobytes()).hexdigest()[:12]
+    model.name += f":head={digest}"
+
+
 def build_model(
     config: LlamaConfig, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype, device: str | torch.device
 ) -> LlamaForCausalLM:

@@ -137,9 +137,17 @@ def _checkpoint_pair(target_spec, draft_spec, *, dtype: torch.dtype, device: str
     target, tokenizer = load_model(target_path, dtype=dtype, device=device)
     draft, draft_tokenizer = load_model(draft_path, dtype=dtype, device=device)
     if draft_path.is_dir() and (draft_path / "d2t.json").is_file():
-        from models.hf import load_d2t_file
+        from models.hf import load_d2t_file, read_d2t_length
+        from models.llama import LlamaCausalLM, restrict_head
 
-        d2t = load_d2t_file(draft_path / "d2t.json", draft.vocab_size, target.vocab_size)
+        head = read_d2t_length(draft_path / "d2t.json")
+        if head < draft.vocab_size and draft.vocab_size == target.vocab_size and isinstance(draft, LlamaCausalLM):
+            # A reduced head over the target's vocabulary (`pdspec train-draft --draft-vocab`):
+            # d2t names the target ids the draft proposes; the draft keeps only those head rows.
+            d2t = load_d2t_file(draft_path / "d2t.json", head, target.vocab_size)
+            restrict_head(draft, d2t)
+        else:
+            d2t = load_d2t_file(draft_path / "d2t.json", draft.vocab_size, target.vocab_size)
         return ModelPair(target, draft, DraftToTargetMap(d2t, target.vocab_size), tokenizer)
     if draft.vocab_size == target.vocab_size and (
         draft_tokenizer.tokenizer.get_vocab() == tokenizer.tokenizer.get_vocab()

@@ -57,6 +57,12 @@ def build_parser() -> EnvArgumentParser:
     flag("--steps", default=1000, type=_positive_int, help="optimizer steps in total")
     flag("--batch", default=8, type=_positive_int, help="sequences per optimizer step")
     flag("--gen-batch", default=32, type=_positive_int, help="sequences the target generates at once")
+    flag(
+        "--draft-vocab",
+        default=0,
+        type=_non_negative_int,
+        help="a reduced head of the N most frequent ids, served through d2t.json (0 = the whole vocabulary)",
+    )
     flag("--train-embeddings", default=False, type=bool, help="train the embeddings and head too (default: frozen)")
     flag("--lr", default=3e-4, type=_positive_float, help="peak AdamW learning rate")
     flag("--seed", default=0, type=int, help="seed of the generations and the data order")
@@ -95,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     total = target.config.num_layers
     if args.layers > total:
         parser.error(f"--layers: expected 1..{total} (the target's layer count), got {args.layers}")
+    vocab = target.vocab_size
+    if args.draft_vocab > vocab:
+        parser.error(f"--draft-vocab: expected 0..{vocab} (the target's vocabulary size), got {args.draft_vocab}")
 
     try:
         train_items, held_out = _data(args, target, tokenizer)
@@ -109,9 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(train_items)} training / {len(held_out)} held-out sequences",
         flush=True,
     )
+    head_ids = None
+    if args.draft_vocab:
+        stops = [*tokenizer.eos_token_ids, *target.eos_token_ids]
+        head_ids = distill.draft_vocabulary([item.tokens for item in train_items], args.draft_vocab, vocab, stops)
+    held_tokens = [item.tokens for item in held_out]
     baseline = None
     if args.eval:  # the untrained draft is the layer-skip draft of --draft-layers N: the baseline
-        baseline = distill.acceptance(target.module, draft, [item.tokens for item in held_out], k=EVAL_K)
+        baseline = distill.acceptance(target.module, draft, held_tokens, k=EVAL_K, head_ids=head_ids)
     try:
         distill.train(
             draft,
@@ -127,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     except distill.CheckpointMismatch as err:
         parser.error(f"--resume: {err}")
     distill.save_hf_draft(draft, tokenizer, out)
+    if head_ids is not None:
+        distill.save_d2t(head_ids, out)
     print(f"draft saved to {out} (serve it with --draft-model {out}); {time.perf_counter() - began:.0f} s in all")
     if args.eval:
-        trained = distill.acceptance(target.module, draft, [item.tokens for item in held_out], k=EVAL_K)
+        trained = distill.acceptance(target.module, draft, held_tokens, k=EVAL_K, head_ids=head_ids)
         (out / "eval.json").write_text(json.dumps({"trained": trained, "layer_skip": baseline}, indent=2) + "\n")
         print(_table(trained, baseline))
     return 0

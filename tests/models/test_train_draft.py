@@ -122,6 +122,7 @@ def test_resume_gives_the_same_weights(target, tmp_path):
         (["--layers", "0"], "--layers"),
         (["--layers", "5"], "--layers"),
         (["--top-k", "-2"], "--top-k"),
+        (["--draft-vocab", "41"], "--draft-vocab"),
     ],
 )
 def test_bad_flags_name_the_flag(target, tmp_path, capsys, extra, flag):
@@ -198,15 +199,24 @@ def test_data_file_adds_training_sequences(target, tmp_path):
     assert after[-1][0] == [0, *tokenizer.encode("the dog ran past the old red door")]  # BOS, then the line
 
 
-def test_a_trained_draft_serves_through_both_nodes(target, tmp_path):
+@pytest.mark.parametrize("draft_vocab", [0, 20])
+def test_a_trained_draft_serves_through_both_nodes(target, tmp_path, draft_vocab):
     """The saved directory as --draft-model on both nodes (real gRPC on loopback): greedy K = 4
     emits the K = 0 tokens with drafts verified and some accepted; the output law stays the
-    verifier's, which no draft can change (tests/nodes distribution tests)."""
+    verifier's, which no draft can change (tests/nodes distribution tests). With --draft-vocab
+    the directory carries d2t.json and the served draft proposes those ids only."""
     from tests.nodes.conftest import cluster
 
     out = tmp_path / "draft"
-    assert _train(target, out, "--steps", "30", "--layers", "2") == 0
+    assert _train(target, out, "--steps", "30", "--layers", "2", "--draft-vocab", str(draft_vocab)) == 0
     pair = load_pair(target_model=target, draft_model=out, dtype=torch.float32)
+    if draft_vocab:
+        d2t = json.loads((out / "d2t.json").read_text())["d2t"]
+        assert len(d2t) == len(set(d2t)) == draft_vocab and pair.draft.vocab_size == draft_vocab
+        assert set(pair.draft.eos_token_ids) <= set(d2t)  # the stop ids are always kept
+        assert pair.d2t.d2t.tolist() == d2t
+    else:
+        assert not (out / "d2t.json").exists() and pair.draft.vocab_size == pair.target.vocab_size
     prompt = " ".join(WORDS[:6])
     with cluster(pair) as (client, _, _):
         spec = client.generate(prompt, greedy=True, num_speculative_tokens=4, max_new_tokens=24)
@@ -214,6 +224,28 @@ def test_a_trained_draft_serves_through_both_nodes(target, tmp_path):
     assert spec.token_ids == plain.token_ids and len(spec.token_ids) >= 8
     assert spec.stats.verify_steps > 0 and spec.stats.draft_tokens == 4 * spec.stats.verify_steps
     assert spec.stats.accepted_tokens > 0
+
+
+def test_a_restricted_head_gives_those_rows_logits(target):
+    """restrict_head keeps the head rows of the given ids, in their order, and reads every id."""
+    from models.llama import restrict_head
+
+    full, _ = load_model(target, dtype=torch.float32)
+    reduced, _ = load_model(target, dtype=torch.float32)
+    ids = torch.tensor([39, 0, 7, 12, 30])
+    restrict_head(reduced, ids)
+    assert reduced.vocab_size == 5 and reduced.name != full.name
+    tokens = [3, 38, 17, 2, 9]  # 38 has no head row: the embeddings stay whole
+    expected = full.prefill(tokens)[0]  # [V]
+    torch.testing.assert_close(reduced.prefill(tokens)[0], expected[ids], rtol=1e-5, atol=1e-5)
+    for bad in (torch.tensor([1, 1]), torch.tensor([40]), torch.tensor([], dtype=torch.int64)):
+        with pytest.raises(ValueError, match="head_ids"):
+            restrict_head(full, bad)
+
+
+def test_draft_vocabulary_keeps_stop_ids_then_the_most_frequent():
+    ids = distill.draft_vocabulary([[5, 5, 5, 2, 2, 9], [2, 7]], 3, 12, always=[11])
+    assert ids.tolist() == [2, 5, 11]  # 11 always; then 2 (3 times) and 5 (3 times, tie by id)
 
 
 def test_generation_on_a_paged_pool_matches_and_frees_its_blocks(target):
