@@ -13,6 +13,7 @@ import json
 import logging
 import queue
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -336,8 +337,10 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
         rid = handle.input.request_id
         # A client cancel or deadline cancels the engine request. add_callback returns False
         # when the RPC has already ended (a 1 ms deadline can expire before this line): then
-        # nothing would ever call it, so cancel now.
-        if not context.add_callback(lambda: self.engine.cancel(handle)):
+        # nothing would ever call it, so cancel now. The callback holds the request weakly:
+        # gRPC drops it on its serving thread, which is not to free the request's tensors
+        # (pdspec.serving.NodeShell.stop says why).
+        if not context.add_callback(_canceller(self.engine, handle)):
             self.engine.cancel(handle)
         first, last, sent = True, started, started
         while True:
@@ -365,6 +368,17 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
             yield _response(rid, event)
             if event.finished:
                 return
+
+
+def _canceller(engine: DecodeEngine, handle: Request) -> Callable[[], None]:
+    """engine.cancel(handle) while the request lives, without keeping it alive."""
+    ref = weakref.ref(handle)
+
+    def cancel() -> None:
+        if (request := ref()) is not None:
+            engine.cancel(request)
+
+    return cancel
 
 
 def _ends(context, within_s: float = 0.5) -> bool:

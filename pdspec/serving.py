@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 from collections.abc import Sequence
@@ -10,6 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from pdspec.modelspec import MemoryShareError
+
+log = logging.getLogger(__name__)
 
 
 def serve_until_signal(server_context: contextlib.AbstractContextManager, role: str) -> None:
@@ -80,6 +83,7 @@ class NodeShell:
         self.port = 0
         self.metrics_port: int | None = None
         self._metrics_server = None
+        self._serving_threads: list[threading.Thread] = []
 
     def set_serving(self, serving: bool) -> None:
         from grpc_health.v1 import health_pb2
@@ -104,16 +108,39 @@ class NodeShell:
         if self.metrics is not None and self.metrics_port_requested is not None:
             self._metrics_server = self.metrics.serve(self.metrics_port_requested, self.host)
             self.metrics_port = self._metrics_server.server_port
+        before = set(threading.enumerate())
         self.server.start()
+        self._serving_threads = serving_threads(before)
 
     def stop(self, grace_s: float) -> None:
+        """Drain within `grace_s`, then wait for gRPC's serving thread to end: grpcio sets the
+        event server.stop() returns before that (daemon) thread drops the last call it drained,
+        callbacks included (a decode request and its tensors). The interpreter must not be
+        finalising then: a daemon thread that needs the GIL back after that exits through
+        pthread_exit, whose unwinding through torch's tensor deallocation (noexcept C++) aborts
+        the process: "terminate called without an active exception", exit status -6."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+        for thread in self._serving_threads:
+            thread.join(SERVING_THREAD_EXIT_S)
+            if thread.is_alive():
+                log.warning("gRPC's serving thread %s did not end within %.0f s", thread.name, SERVING_THREAD_EXIT_S)
         if self._metrics_server:
             self._metrics_server.shutdown()
 
 
 HEADROOM_THREADS = 16  # health checks, GetInfo, reflection and requests refused by admission
+# It ends once it has dropped the last call (well under a second); the bound only keeps a
+# grpcio whose serving thread lives on from hanging a node's exit.
+SERVING_THREAD_EXIT_S = 10.0
+
+
+def serving_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """The threads grpc.Server.start() started, given those alive before: grpcio polls the
+    server's completion queue on one daemon thread running grpc._server._serve (named
+    "Thread-N (_serve)"), which it neither names nor exposes. Only threads of that name are
+    taken: no other thread started meanwhile (a stream reader, a watcher) is waited for."""
+    return [t for t in threading.enumerate() if t not in before and t.name.endswith("(_serve)")]
 
 
 def enable_reflection(service_names: Sequence[str], server) -> None:

@@ -217,9 +217,9 @@ def test_sigterm_of_decode_drains_its_streams(pair):
     """SIGTERM: decode stops taking calls and finishes the ones it has within --grace-seconds;
     prefill goes NOT_SERVING while they drain, and those streams end OK with every token."""
     port = free_port()
-    # 300 tokens end well within it even on a loaded 2-core machine. (A longer grace, 30 or 60 s,
-    # made the decode process abort at exit in 3 of 18 runs: "terminate called without an
-    # active exception", rc -6, after every stream ended OK; 0 of 22 at 10 s.)
+    # 300 tokens end well within it even on a loaded 2-core machine. (The decode process used to
+    # abort at exit in a few runs in 20, whatever the grace: "terminate called without an active
+    # exception", rc -6, after every stream ended OK; tests/nodes/test_shutdown.py says why.)
     grace = 10
     decode = start_decode(port, "--grace-seconds", str(grace), "--max-batch", "4")
     config = PrefillNodeConfig(decode_addr=f"127.0.0.1:{port}", host="127.0.0.1", port=0, metrics_port=None)
