@@ -499,3 +499,10 @@ def kv_pool_bytes(pair: ModelPair) -> int:
 def bytes_per_token(model: CausalLM) -> int:
     """KV bytes of one position of the model: what its pool spends per token."""
     return kv_bytes(model.kv_layout, 1)
+
+
+def pool_bytes_for(model: CausalLM, rows: int, tokens: int) -> int:
+    """The pool size (`with_pool`'s kv_bytes) that holds `rows` reservations of `tokens`
+    positions each at once: whole blocks per row, and the scratch block."""
+    blocks = rows * -(-tokens // BLOCK_SIZE) + 1
+    return blocks * BLOCK_SIZE * bytes_per_token(model)

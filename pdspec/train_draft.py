@@ -229,13 +229,13 @@ def generator_model(target, tokenizer, *, gen_batch: int, max_new_tokens: int, p
     template's text (or BOS) and two turns of `max_new_tokens`. Else the target itself."""
     if not paged:
         return target
-    from engine.paged_lm import BLOCK_SIZE, PagedLlamaLM, bytes_per_token
+    from engine.paged_lm import PagedLlamaLM, pool_bytes_for
     from models import distill
 
     template = distill.magpie_prefix_suffix(tokenizer)
     turns = 1 if template is None else len(template[0]) + len(template[1])
-    row = turns + 2 * max_new_tokens + 2 * BLOCK_SIZE  # a partial block per reservation
-    return PagedLlamaLM.with_pool(target, (gen_batch * row + BLOCK_SIZE) * bytes_per_token(target), eager=True)
+    pool = pool_bytes_for(target, gen_batch, turns + 2 * max_new_tokens)
+    return PagedLlamaLM.with_pool(target, pool, eager=True)
 
 
 def _table(trained: dict, baseline: dict) -> str:
