@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import environment, markdown_table, write_results
 from bench.gpu_e2e import random_model, sync
 from decode_node.engine import DecodeConfig, DecodeEngine
-from engine.paged_lm import BLOCK_SIZE, bytes_per_token, paged_pair
+from engine.paged_lm import bytes_per_token, paged_pair, pool_bytes_for
 from engine.proposer import DRAFT, NO_PROPOSAL, Plan, Proposal, Proposer, Row
 from engine.sequence import Stats
 from models.llama import layer_skip_draft
@@ -373,8 +373,8 @@ def main() -> None:
     target.eos_token_ids = ()  # random weights: EOS is an arbitrary id, and every run should do the same work
     # The pair's draft is never run (the oracle drafts, K = 0 runs draft nothing): one layer, a small pool.
     raw = ModelPair(target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer())
-    longest = args.prompt_tokens + args.new_tokens + max(args.ks) + 1 + BLOCK_SIZE  # a request's KV, rounded up
-    tokens = max(args.batches) * longest + BLOCK_SIZE  # and the scratch block
+    longest = args.prompt_tokens + args.new_tokens + max(args.ks) + 1  # a request's KV
+    tokens = pool_bytes_for(raw.target, max(args.batches), longest) // bytes_per_token(raw.target)
     pair = paged_pair(raw, tokens * (bytes_per_token(raw.target) + bytes_per_token(raw.draft)))
     env = environment()
     env |= {

@@ -104,16 +104,18 @@ def probe_ms(ports: dict[str, int], rounds: int = 5) -> dict[str, float]:
     return worst
 
 
+def endless_cluster(pair):
+    """Both nodes with SMALL decode limits and no max_new_tokens bound (endless streams hold
+    their slots until cancelled), prefill taking up to 64 streams."""
+    return cluster(
+        pair, SMALL, PrefillConfig(limits=ENDLESS_LIMITS), decode_node={"limits": ENDLESS_LIMITS}, max_streams=64
+    )
+
+
 def test_admission_fires_and_health_answers_under_full_load(pair):
     """14 long streams at max_batch 4 + max_queue 4 (prefill --max-streams 64): the first token
     is prefill's own, then exactly 6 hear RESOURCE_EXHAUSTED from decode's admission."""
-    with cluster(
-        pair,
-        SMALL,
-        PrefillConfig(limits=ENDLESS_LIMITS),
-        decode_node={"limits": ENDLESS_LIMITS},
-        max_streams=64,
-    ) as (client, prefill, decode):
+    with endless_cluster(pair) as (client, prefill, decode):
         n = 14
         readers = []
 
@@ -154,13 +156,7 @@ def test_canary_behind_a_full_batch(pair):
     is held by endless greedy streams, so the only slot that ever frees is the one the test
     frees; the canary's first token must come while decode's batch is full and it is queued,
     and its decode tokens only after the slot freed. The times are printed, not asserted."""
-    with cluster(
-        pair,
-        SMALL,
-        PrefillConfig(limits=ENDLESS_LIMITS),
-        decode_node={"limits": ENDLESS_LIMITS},
-        max_streams=64,
-    ) as (client, _, decode):
+    with endless_cluster(pair) as (client, _, decode):
         longs = [Reader(client.stream("import ", max_new_tokens=ENDLESS, greedy=True, timeout=300)) for _ in range(4)]
         wait_until(lambda: decode.engine.running == 4, timeout=60, what="a full batch")
         sent = time.monotonic()
