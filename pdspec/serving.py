@@ -69,8 +69,11 @@ class NodeShell:
         from grpc_health.v1 import health, health_pb2_grpc
 
         self.service = service
+        # The worker pool's bound and its threads' name prefix ("<prefix>_<n>"): its threads
+        # never exit, so a thread count is only meaningful outside it.
+        self.pool_threads, self.thread_prefix = streams + HEADROOM_THREADS, service.rsplit(".", 1)[-1]
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(streams + HEADROOM_THREADS, thread_name_prefix=service.rsplit(".", 1)[-1]),
+            futures.ThreadPoolExecutor(self.pool_threads, thread_name_prefix=self.thread_prefix),
             options=[("grpc.so_reuseport", 0), *options],
             interceptors=list(interceptors),
         )

@@ -339,8 +339,16 @@ def _rss_kib() -> int:
     raise AssertionError("no VmRSS")
 
 
-def _threads() -> int:
-    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+def _threads(*shells) -> int:
+    """This process's Python threads, less those of the `shells`' worker pools, which are
+    bounded and never exit (they are checked apart). gRPC C-core's own thread pool is not
+    counted: it grows under load and reaps idle threads on its own timer (tens of seconds
+    on a loaded machine), which says nothing about pdspec."""
+    return threading.active_count() - sum(_pooled(shell) for shell in shells)
+
+
+def _pooled(shell) -> int:
+    return sum(thread.name.startswith(f"{shell.thread_prefix}_") for thread in threading.enumerate())
 
 
 def test_rss_and_threads_flat_after_cancels_and_deadlines(pair):
@@ -362,25 +370,29 @@ def test_rss_and_threads_flat_after_cancels_and_deadlines(pair):
             gc.collect()
             return codes
 
-        # Warm-up: gRPC's worker pools grow on demand (a thread per call beyond the idle ones,
-        # up to max_batch + max_queue + 16 at decode), caches fill; then they hold still.
+        # Warm-up: caches fill; then they hold still. The nodes' worker pools grow on demand up
+        # to their bound and keep their threads, so they are counted apart: within their bound,
+        # whatever the storm's timing.
+        shells = (prefill.shell, decode.shell)
         sizes = []
         for round_ in range(4):
             storm(200, 200 * round_)
-            sizes.append(_threads())
+            sizes.append(_threads(*shells))
             if len(sizes) > 1 and sizes[-1] <= sizes[-2]:
                 break
-        rss0, threads0 = _rss_kib(), _threads()
+        rss0, threads0 = _rss_kib(), _threads(*shells)
         codes = storm(400, 1000)
-        # Threads of finished calls exit on their own schedule: wait for the count to come back
-        # (a leak never does), then measure.
-        wait_until(lambda: _threads() <= threads0 * 1.10, timeout=60, what="the storm's threads to exit")
+        # A thread a call started ends after the call: wait for the count to come back (a leak
+        # never does), then measure.
+        wait_until(lambda: _threads(*shells) <= threads0 * 1.10, timeout=60, what="the storm's threads to exit")
         gc.collect()
-        rss1, threads1 = _rss_kib(), _threads()
+        rss1, threads1 = _rss_kib(), _threads(*shells)
+        pools = {shell.thread_prefix: (_pooled(shell), shell.pool_threads) for shell in shells}
         print(
-            f"400 cancels/deadlines: RSS {rss0 // 1024} -> {rss1 // 1024} MiB, threads {threads0} -> {threads1} "
-            f"(warm-up {sizes})"
+            f"400 cancels/deadlines: RSS {rss0 // 1024} -> {rss1 // 1024} MiB, threads outside the pools "
+            f"{threads0} -> {threads1} (warm-up {sizes}), pools (threads, bound) {pools}"
         )
         assert codes <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
         assert rss1 <= rss0 * 1.10 and threads1 <= threads0 * 1.10
+        assert all(0 < threads <= bound for threads, bound in pools.values())
         assert prefill.service.in_flight == 0 and decode.engine.load == 0
