@@ -140,6 +140,15 @@ class Prefilled:
         return sum(t.numel() * t.element_size() for t in self.kv) + shm + self.sent_bytes
 
 
+@dataclass(frozen=True)
+class FirstToken:
+    """A request's first token, out before its proposal and KV export (`Ticket.first`)."""
+
+    token: int
+    logprob: TokenLogprob | None  # when the request asked for logprobs
+    finish_reason: str  # "" while the request goes on to the decode node
+
+
 class PrefillEngine:
     def __init__(self, pair: ModelPair, config: PrefillConfig) -> None:
         self.pair = pair
@@ -248,33 +257,46 @@ class PrefillEngine:
     def prefill_many(
         self, checked: abc.Sequence[Checked], sinks: abc.Sequence[queue.Queue | None] = ()
     ) -> list[Prefilled]:
-        """Run checked requests up to their DecodeRequests (or to their ends), in order.
-
-        Concurrent callers are batched: each queues its jobs, and whichever caller holds the
-        model lock runs one step for every queued job at once (one target forward over the
-        ragged prompts, chunked so a step takes at most `max_prefill_tokens` prompt tokens,
-        then the first tokens, the drafts and the KV exports of the finished ones). A failed
-        job fails the call after every job has ended (the first error is raised)."""
+        """Run checked requests up to their DecodeRequests (or to their ends), in order, batched
+        into shared steps (`submit`). A failed request fails the call after every one has ended
+        (the first error is raised)."""
         sinks = list(sinks) or [None] * len(checked)
-        jobs = [_Job(c, self._sequence(c), sink=s) for c, s in zip(checked, sinks, strict=True)]
-        with self._jobs_lock:
-            self._jobs.extend(jobs)
-        for job in jobs:
-            while not job.done.is_set():
-                if self._lock.acquire(timeout=0.002):
-                    try:
-                        if not job.done.is_set():
-                            with on_device(self.config.device):  # the caller's thread may be on another device
-                                self._step()
-                    finally:
-                        self._lock.release()
-        failed = next((job.error for job in jobs if job.error is not None), None)
+        tickets = [self.submit(c, s) for c, s in zip(checked, sinks, strict=True)]
+        for ticket in tickets:
+            self._run_until(ticket.job.done)
+        failed = next((t.job.error for t in tickets if t.job.error is not None), None)
         if failed is not None:
-            for job in jobs:  # the results nobody will get: their shared-memory KV goes too
-                if job.result is not None and job.result.shm is not None:
-                    job.result.shm.unlink()
+            for ticket in tickets:  # the results nobody will get: their shared-memory KV goes too
+                ticket.abandon()
             raise failed
-        return [job.result for job in jobs]
+        return [ticket.job.result for ticket in tickets]
+
+    def submit(self, checked: Checked, sink: queue.Queue | None = None) -> Ticket:
+        """Queue a checked request (`prefill` says what `sink` is); its `Ticket` gives the first
+        token, then the rest.
+
+        Concurrent requests are batched: whichever caller waiting on a ticket holds the model
+        lock runs one step for every queued request at once: ONE target forward over the
+        ragged prompts, chunked so a step takes at most `max_prefill_tokens` prompt tokens,
+        and the first tokens of the prompts it completes; then the proposals (one batched
+        draft) and KV exports of the requests whose first tokens an earlier step drew. So a
+        first token goes out after its forward, never behind a proposal or an export, and
+        the proposals and exports of one step's requests share the next step."""
+        job = _Job(checked, self._sequence(checked), sink=sink)
+        with self._jobs_lock:
+            self._jobs.append(job)
+        return Ticket(self, job)
+
+    def _run_until(self, event: threading.Event) -> None:
+        """Step the engine until `event` is set (another caller may be stepping meanwhile)."""
+        while not event.is_set():
+            if self._lock.acquire(timeout=0.002):
+                try:
+                    if not event.is_set():
+                        with on_device(self.config.device):  # the caller's thread may be on another device
+                            self._step()
+                finally:
+                    self._lock.release()
 
     def _sequence(self, checked: Checked) -> Sequence:
         """A checked request's sequence (every default resolved in `check`)."""
@@ -295,10 +317,15 @@ class PrefillEngine:
         target = self.pair.target
         with self._jobs_lock:
             jobs = list(self._jobs)
+        for job in [job for job in jobs if job.abandoned]:
+            self._end(job)  # its caller left: its KV goes back to the pool
+        jobs = [job for job in jobs if not job.abandoned]
+        # Drawn their first tokens in an earlier step: this step proposes and exports them.
+        finishing = [job for job in jobs if job.first.is_set()]
         budget, chosen, chunks = self.config.max_prefill_tokens, [], []
         for job in jobs:  # arrival order; a long prompt takes the budget that is left
-            if budget <= 0:
-                break
+            if budget <= 0 or job.first.is_set():
+                continue
             if job.seq.target_state is None:
                 if not target.can_reserve(len(job.seq.prompt)):
                     continue  # waits until running prefills free their KV (check() refused any that never fits)
@@ -308,53 +335,66 @@ class PrefillEngine:
             chosen.append(job)
             chunks.append(chunk)
             budget -= len(chunk)
-        if not chosen:
-            return
+        if chosen:
+            self._failing(chosen, lambda: self._prefill(chosen, chunks))
+        if finishing:
+            self._failing(finishing, lambda: self._finish(finishing))
+
+    def _failing(self, jobs: list[_Job], work) -> None:
+        """Run a step's work on `jobs`: if it fails, they fail (the caller running the step goes
+        on with its own)."""
         try:
-            # Jobs whose prompt ends in this step and whose KV goes out as it is computed.
-            shipping = [
-                job
-                for job, chunk in zip(chosen, chunks, strict=True)
-                if job.sink is not None and job.consumed + len(chunk) == len(job.seq.prompt)
-            ]
-            if shipping and getattr(target, "layer_export", False):
-                last = target.extend_last(  # [R, V]
-                    [job.seq.target_state for job in chosen], chunks, after_layer=self._shipper(shipping)
-                )
-            else:
-                last = target.extend_last([job.seq.target_state for job in chosen], chunks)  # [R, V]
-            done = []
-            for row, (job, chunk) in enumerate(zip(chosen, chunks, strict=True)):
-                job.consumed += len(chunk)
-                if job.consumed == len(job.seq.prompt):
-                    done.append((job, row))
-            if done:
-                self._finish([job for job, _ in done], last[[row for _, row in done]])
-        except Exception as err:  # the step's own jobs fail; the caller running it goes on with its own
+            work()
+        except Exception as err:
             log.exception("prefill step failed")
-            for job in chosen:
+            for job in jobs:
                 if not job.done.is_set():
                     self._end(job, error=err)
 
-    def _finish(self, jobs: list[_Job], logits: torch.Tensor) -> None:
-        """First tokens (one batched draw), drafts (one batched draft), KV exports."""
-        pair, device = self.pair, self.config.device
+    def _prefill(self, chosen: list[_Job], chunks: list[list[int]]) -> None:
+        """One target forward over the chosen jobs' chunks; the first tokens of those it completes."""
+        target = self.pair.target
+        # Jobs whose prompt ends in this step and whose KV goes out as it is computed.
+        shipping = [
+            job
+            for job, chunk in zip(chosen, chunks, strict=True)
+            if job.sink is not None and job.consumed + len(chunk) == len(job.seq.prompt)
+        ]
+        if shipping and getattr(target, "layer_export", False):
+            last = target.extend_last(  # [R, V]
+                [job.seq.target_state for job in chosen], chunks, after_layer=self._shipper(shipping)
+            )
+        else:
+            last = target.extend_last([job.seq.target_state for job in chosen], chunks)
+        done = []
+        for row, (job, chunk) in enumerate(zip(chosen, chunks, strict=True)):
+            job.consumed += len(chunk)
+            if job.consumed == len(job.seq.prompt):
+                done.append((job, row))
+        if done:
+            self._first_tokens([job for job, _ in done], last[[row for _, row in done]])
+
+    def _first_tokens(self, jobs: list[_Job], logits: torch.Tensor) -> None:
+        """The first tokens (one batched draw), out to their callers at once; a request that
+        ends there ends."""
+        device = self.config.device
         rows = SamplingTensors.from_params([job.seq.params for job in jobs], device)
         uniforms = torch.stack([job.seq.rng.uniforms(1) for job in jobs]).to(device)  # [R, 1]
         logits = logits.to(device)
         firsts = sample_target(logits[:, None], rows, uniforms).token_ids[:, 0].cpu().tolist()
-        going = []
         for row, (job, first) in enumerate(zip(jobs, firsts, strict=True)):
             _, reason = job.seq.append([first])
+            logprob = None
             if job.seq.logprobs:
-                job.first_logprob = token_logprobs(logits[row : row + 1], torch.tensor([first]), job.seq.logprobs)[0]
+                logprob = token_logprobs(logits[row : row + 1], torch.tensor([first]), job.seq.logprobs)[0]
+            job.first_token = FirstToken(first, logprob, reason)
+            job.first.set()
             if reason:
-                self._end(job, result=Prefilled(first, job.first_logprob, reason, None, None))
-            else:
-                going.append(row)
-        if not going:
-            return
-        jobs = [jobs[row] for row in going]
+                self._end(job, result=Prefilled(first, logprob, reason, None, None))
+
+    def _finish(self, jobs: list[_Job]) -> None:
+        """Proposals (one batched draft), then KV exports."""
+        pair = self.pair
         drafted = self._propose(jobs)
         for job, proposal in zip(jobs, drafted, strict=True):
             if job.sink is not None:
@@ -408,21 +448,25 @@ class PrefillEngine:
         encoding = self._encode(proposal, job.checked.k, tail, wire)
         job.sink.put(wire)
         job.sink = None  # ended
-        result = Prefilled(job.seq.history[-1], job.first_logprob, "", wire, encoding, sent_bytes=job.sent_bytes)
+        result = Prefilled(job.seq.history[-1], job.first_token.logprob, "", wire, encoding, sent_bytes=job.sent_bytes)
         self._end(job, result=result)
 
     def _end(self, job: _Job, *, result: Prefilled | None = None, error: BaseException | None = None) -> None:
+        """End a job; an abandoned job's result goes at once."""
         if job.sink is not None:
             job.sink.put(None)  # ended at its first token, or failed: the stream ends short
             job.sink = None
         if job.seq.target_state is not None:
             self.pair.target.release(job.seq.target_state)  # the KV lives on in the export (and then on the wire)
             job.seq.target_state = None
-        job.result, job.error = result, error
         with self._jobs_lock:
             if job in self._jobs:
                 self._jobs.remove(job)
-        job.done.set()
+            job.result, job.error = result, error
+            job.done.set()
+            job.first.set()  # a job that failed before its first token: its caller wakes
+            if job.abandoned:
+                _drop(result)
 
     def _header(self, checked: Checked) -> pdspec_pb2.DecodeRequest:
         """The DecodeRequest fields known before the prefill (no first token, no proposal)."""
@@ -469,7 +513,9 @@ class PrefillEngine:
         elif not stream_kv:
             for i, tensor in enumerate(kv):
                 wire.set_tensor(f"kv_cache[{i}]", tensor)  # a view: no copy until the one join
-        return Prefilled(job.seq.history[-1], job.first_logprob, "", wire, encoding, kv, segment, stream_kv=stream_kv)
+        return Prefilled(
+            job.seq.history[-1], job.first_token.logprob, "", wire, encoding, kv, segment, stream_kv=stream_kv
+        )
 
     def streams(self, kv: list[torch.Tensor] | int) -> bool:
         """Whether this KV (tensors, or a byte count) goes over DecodeStream (see PrefillConfig.kv_streaming)."""
@@ -505,10 +551,47 @@ class _Job:
 
     checked: Checked
     seq: Sequence
+    first: threading.Event = field(default_factory=threading.Event)  # first_token drawn (or the job failed)
     done: threading.Event = field(default_factory=threading.Event)
     consumed: int = 0  # prompt tokens the target has consumed
-    first_logprob: TokenLogprob | None = None
+    first_token: FirstToken | None = None
+    abandoned: bool = False  # its caller left: nobody takes the result
     result: Prefilled | None = None
     error: BaseException | None = None
     sink: queue.Queue | None = None  # layer by layer: where its KV and then its proposal go (prefill(sink=))
     sent_bytes: int = 0
+
+
+class Ticket:
+    """A submitted request: `first()`, then `result()`; each steps the engine until it is
+    there. `abandon()` when the caller will not take the rest."""
+
+    def __init__(self, engine: PrefillEngine, job: _Job) -> None:
+        self.engine, self.job = engine, job
+
+    def first(self) -> FirstToken:
+        self.engine._run_until(self.job.first)
+        if self.job.error is not None:
+            raise self.job.error
+        return self.job.first_token
+
+    def result(self) -> Prefilled:
+        self.engine._run_until(self.job.done)
+        if self.job.error is not None:
+            raise self.job.error
+        return self.job.result
+
+    def abandon(self) -> None:
+        """The caller leaves: a request still running is dropped by the next step (which this
+        runs, so its KV is back in the pool on return); a finished one's shared-memory KV goes."""
+        with self.engine._jobs_lock:
+            self.job.abandoned = True
+            if self.job.done.is_set():
+                _drop(self.job.result)
+        self.engine._run_until(self.job.done)
+
+
+def _drop(result: Prefilled | None) -> None:
+    """What a result nobody takes holds outside this process: its shared-memory KV."""
+    if result is not None and result.shm is not None:
+        result.shm.unlink()

@@ -163,39 +163,41 @@ class GenerationService:
             header, manifest = self.engine.stream_header(checked)
             chunks = layered_chunks(header, manifest, sink, self.engine.config.kv_chunk_bytes)
             relay = self.peer.stub.DecodeStream(chunks, timeout=decode_timeout(call))
-            try:
-                prefilled = self.engine.prefill(checked, sink)
-            except BaseException:
-                relay.cancel()
-                raise
+            ticket = self.engine.submit(checked, sink)
         else:
-            prefilled = self.engine.prefill(checked)
+            ticket = self.engine.submit(checked)
         try:
-            yield from self._relay(request, call, started, record, prefilled, relay)
+            # The first token goes out as soon as it is drawn; the proposal and the KV export
+            # follow in the engine's next step.
+            first = ticket.first()
+            detokenizer = self.engine.pair.tokenizer.incremental()
+            stops = StopStrings(request.stop)
+            stream = _Stream(self.metrics, record, started)
+            response = pdspec_pb2.GenerateResponse(request_id=rid, token_ids=[first.token])
+            _add_logprobs(response, [first.logprob] if first.logprob else [])
+            text, stopped = stops.push(detokenizer.push([first.token]))
+            response.text = text
+            if first.finish_reason or stopped:
+                yield stream.finish(response, "stop" if stopped else first.finish_reason, detokenizer, stops, stopped)
+                return
+            yield stream.emit(response)
+            if not call.is_active():  # the client left while we prefilled: start nothing
+                record.code = ended_status(call)
+                return
+            prefilled = ticket.result()
+            yield from self._relay(call, record, prefilled, relay, _Relayed(stream, detokenizer, stops))
         finally:
             if relay is not None:  # opened before the prefill: every way out ends it (a no-op once done)
                 relay.cancel()
-            if prefilled.shm is not None:  # the decode node unlinks it once mapped; this covers every other end
-                prefilled.shm.unlink()
+            # A request that has not ended is dropped (its KV back in the pool); an ended one's
+            # shared-memory KV goes (the decode node unlinks it once mapped; this covers every other end).
+            ticket.abandon()
 
-    def _relay(self, request, call: Call, started: float, record: _Record, prefilled: Prefilled, relay=None):
-        """The first token, then the decode node's stream (the KV handed over on the way).
+    def _relay(self, call: Call, record: _Record, prefilled: Prefilled, relay, out: _Relayed):
+        """The decode node's stream after the first token (the KV handed over on the way).
         `relay`: that stream, opened before the prefill (layer by layer; the caller ends it)."""
         rid = record.request_id
-        detokenizer = self.engine.pair.tokenizer.incremental()
-        stops = StopStrings(request.stop)
-        stream = _Stream(self.metrics, record, started)
-        first = pdspec_pb2.GenerateResponse(request_id=rid, token_ids=[prefilled.first_token])
-        _add_logprobs(first, [prefilled.first_logprob] if prefilled.first_logprob else [])
-        text, stopped = stops.push(detokenizer.push([prefilled.first_token]))
-        first.text = text
-        if prefilled.finish_reason or stopped:
-            yield stream.finish(first, "stop" if stopped else prefilled.finish_reason, detokenizer, stops, stopped)
-            return
-        yield stream.emit(first)
-        if not call.is_active():  # the client left while we prefilled: start nothing
-            record.code = ended_status(call)
-            return
+        stream, detokenizer, stops = out.stream, out.detokenizer, out.stops
         wire = prefilled.wire
         self.metrics.proposal_bytes.labels("prefill", prefilled.encoding.value).inc(wire.header.proposal.ByteSize())
         self.metrics.kv_bytes.labels("prefill").inc(prefilled.kv_bytes)
@@ -267,6 +269,15 @@ class GenerationService:
             f"{record.ttft:.3f}s" if record.ttft is not None else "-",
             latency,
         )
+
+
+@dataclass
+class _Relayed:
+    """A request's response stream as the relay continues it."""
+
+    stream: _Stream
+    detokenizer: object
+    stops: StopStrings
 
 
 class _Stream:

@@ -111,3 +111,33 @@ def test_a_prompt_larger_than_the_kv_cache_is_resource_exhausted(pair):
     engine = PrefillEngine(pair, PrefillConfig())
     found = engine.check(request(0, pair.target.capacity_tokens() + 1))
     assert [v.code for v in found] == [Code.RESOURCE_EXHAUSTED] and "KV cache" in found[0].expected
+
+
+def test_first_tokens_come_before_the_proposals_and_exports(pair):
+    """A step draws the first tokens of the prompts it completes and hands them out; the
+    proposals and KV exports are the next step's work, batched, and equal a solo run's."""
+    solo = solo_runs(pair)[:2]
+    engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC))
+    steps = counted(engine)
+    tickets = [engine.submit(engine.check(request(i, n))) for i, n in enumerate(LENGTHS[:2])]
+    first = tickets[0].first()
+    assert steps == [2]  # one step: both prompts in one forward, nothing proposed or exported yet
+    assert all(t.job.first.is_set() and not t.job.done.is_set() for t in tickets)
+    assert first.token == solo[0][0] and first.finish_reason == ""
+    results = [t.result() for t in tickets]
+    assert steps == [2, 2]  # the next step proposed and exported both
+    assert_same([summary(r) for r in results], solo)
+    assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
+
+
+def test_an_abandoned_request_gives_its_kv_back(pair):
+    """A caller that leaves after its first token (the client cancelled): the request ends
+    without a result, its KV back in the pool, and the engine serves the next one."""
+    engine = PrefillEngine(pair, PrefillConfig())
+    ticket = engine.submit(engine.check(request(0, 40)))
+    ticket.first()
+    assert pair.target.pool.used_blocks > 0
+    ticket.abandon()
+    assert ticket.job.done.is_set() and ticket.job.result is None and not engine._jobs
+    assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
+    assert summary(engine.prefill(engine.check(request(1, 40))))[0] == solo_runs(pair)[1][0]
