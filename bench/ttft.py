@@ -33,70 +33,53 @@ def worker(args: argparse.Namespace) -> None:
 
     import torch
 
-    from decode_node.engine import DecodeConfig
-    from decode_node.server import DecodeNodeConfig
-    from decode_node.server import run_server as run_decode
-    from pdspec.client import Client
+    from bench.speedup import nodes
     from pdspec.modelspec import ModelSpec
-    from prefill_node.engine import PrefillConfig
-    from prefill_node.server import PrefillNodeConfig
-    from prefill_node.server import run_server as run_prefill
 
     torch.manual_seed(0)
     concurrency = [int(c) for c in args.concurrency.split(",")]
     models = ModelSpec(
         target_model=args.target_model, draft_layers=args.draft_layers, kv_cache_bytes=args.kv_cache_bytes
     )
-    engine = DecodeConfig(speculative_method=args.method, max_batch=max(concurrency))
-    decode_config = DecodeNodeConfig(host="127.0.0.1", port=0, metrics_port=None, engine=engine, models=models)
     out = {}
-    with run_decode(decode_config) as decode:
-        prefill_config = PrefillNodeConfig(
-            decode_addr=f"127.0.0.1:{decode.port}",
-            host="127.0.0.1",
-            port=0,
-            metrics_port=None,
-            http_port=None,
-            engine=PrefillConfig(speculative_method=args.method, num_speculative_tokens=args.k),
-            models=models,
-            peer_check_s=0.1,
-        )
-        with run_prefill(prefill_config) as prefill, Client(f"127.0.0.1:{prefill.port}") as client:
-            while not prefill.peer.compatible:
-                time.sleep(0.05)
-            vocab = prefill.engine.pair.target.vocab_size
-            rng = random.Random(args.seed)
+    with nodes(models, args.method, max(concurrency)) as (client, decode):
+        vocab = decode.engine.pair.target.vocab_size
+        rng = random.Random(args.seed)
 
-            def burst(n: int) -> list[tuple[float, float]]:
-                """n streams started together: each one's (first, second) token times in seconds."""
-                prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(n)]
-                times: list[tuple[float, float]] = [(0.0, 0.0)] * n
-                barrier = threading.Barrier(n)
+        def burst(n: int) -> list[tuple[float, float]]:
+            """n streams started together: each one's (first, second) token times in seconds."""
+            prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(n)]
+            times: list[tuple[float, float]] = [(0.0, 0.0)] * n
+            barrier = threading.Barrier(n)
 
-                def one(i: int) -> None:
-                    barrier.wait()
-                    started = time.perf_counter()
-                    arrivals = []
-                    for response in client.stream(
-                        prompt_token_ids=prompts[i], max_new_tokens=2, greedy=True, timeout=600
-                    ):
-                        arrivals += [time.perf_counter() - started] * len(response.token_ids)
-                    times[i] = (arrivals[0], arrivals[1])
+            def one(i: int) -> None:
+                barrier.wait()
+                started = time.perf_counter()
+                arrivals = []
+                for response in client.stream(
+                    prompt_token_ids=prompts[i],
+                    max_new_tokens=2,
+                    greedy=True,
+                    num_speculative_tokens=args.k,
+                    timeout=600,
+                ):
+                    arrivals += [time.perf_counter() - started] * len(response.token_ids)
+                times[i] = (arrivals[0], arrivals[1])
 
-                threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                return times
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return times
 
-            burst(max(concurrency))  # warm-up, untimed
-            for n in concurrency:
-                times = burst(n)
-                out[n] = {
-                    "ttft_ms": statistics.median(t[0] for t in times) * 1e3,
-                    "second_token_ms": statistics.median(t[1] for t in times) * 1e3,
-                }
+        burst(max(concurrency))  # warm-up, untimed
+        for n in concurrency:
+            times = burst(n)
+            out[n] = {
+                "ttft_ms": statistics.median(t[0] for t in times) * 1e3,
+                "second_token_ms": statistics.median(t[1] for t in times) * 1e3,
+            }
     print(json.dumps(out))
 
 
