@@ -14,6 +14,7 @@ from models.checkpoint import load_hf_llama
 from models.llama import EAGER, layer_skip_draft
 from models.loader import load_pair
 from tests.models.hf_fixtures import make_family_checkpoint, make_tokenizer
+from tests.tolerance import assert_fp_close, model_roundings
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
@@ -36,14 +37,14 @@ def test_ragged_batches_truncation_and_import_equal_the_contiguous_store(models)
     states = []
     for prompt in prompts:
         (lc, sc), (lp, sp) = contiguous.prefill(prompt), paged.prefill(prompt)
-        torch.testing.assert_close(lp, lc, rtol=1e-5, atol=1e-5)
+        assert_fp_close(lp, lc, model_roundings(contiguous))
         paged.reserve(sp, len(prompt) + 16)
         states.append((sc, sp))
     feeds = [ids(n, 10 + i, vocab) for i, n in enumerate((3, 1, 6))]
     out_c = contiguous.extend_batch([s for s, _ in states], feeds)
     out_p = paged.extend_batch([s for _, s in states], feeds)
     for a, b in zip(out_p, out_c, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert_fp_close(a, b, model_roundings(contiguous))
     for (sc, sp), keep in zip(states, (6, 17, 4), strict=True):  # reject some positions
         contiguous.truncate(sc, keep)
         paged.truncate(sp, keep)
@@ -53,17 +54,17 @@ def test_ragged_batches_truncation_and_import_equal_the_contiguous_store(models)
         contiguous.extend_batch([s for s, _ in states], more),
         strict=True,
     ):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert_fp_close(a, b, model_roundings(contiguous))
     # Export from the pool, import into fresh blocks: the next logits are the same, nothing recomputed.
     sc, sp = states[1]
     exported = paged.export_state(sp)
     for got, want in zip(exported, contiguous.export_state(sc), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert_fp_close(got, want, model_roundings(contiguous))
     before = paged.positions_computed
     imported = paged.import_state(exported, sp.tokens)
     assert paged.positions_computed == before
     paged.reserve(imported, len(sp.tokens) + 1)
-    torch.testing.assert_close(paged.extend(imported, [3]), contiguous.extend(sc, [3]), rtol=1e-5, atol=1e-5)
+    assert_fp_close(paged.extend(imported, [3]), contiguous.extend(sc, [3]), model_roundings(contiguous))
     for _, state in states:
         paged.release(state)
     paged.release(imported)
@@ -101,7 +102,7 @@ def test_paged_pair_splits_the_bytes_so_both_pools_hold_the_same_tokens(tmp_path
     target = load_hf_llama(path, dtype=torch.float32)
     draft = layer_skip_draft(target, 1)
     logits, _ = paged.draft.prefill([3, 4, 5])
-    torch.testing.assert_close(logits, draft.prefill([3, 4, 5])[0], rtol=1e-5, atol=1e-5)
+    assert_fp_close(logits, draft.prefill([3, 4, 5])[0], model_roundings(target))
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         PagedLlamaLM.with_pool(target, 10)
     assert not paged.target.graphs and paged.target.ops is EAGER  # the CPU: no graphs, no compile
@@ -236,7 +237,7 @@ def test_graph_bucket_padding_changes_no_real_row(models):
         )
     assert torch.equal(got, ragged)
     for row in range(3):
-        torch.testing.assert_close(got[2 * row : 2 * row + 2].float(), want[row], rtol=1e-5, atol=1e-5)
+        assert_fp_close(got[2 * row : 2 * row + 2].float(), want[row], model_roundings(contiguous))
     assert torch.isfinite(got).all()
     touched = paged.pool.kv[:, :, paged.pool.block_size :]
     assert touched.abs().sum() > 0 and not torch.equal(paged.pool.kv[:, :, : paged.pool.block_size], scratch_before)

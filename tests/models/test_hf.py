@@ -8,6 +8,7 @@ import torch
 from models.hf import HFCausalLM, load_d2t_file, load_hf_pair
 from models.loader import load_pair
 from tests.models.hf_fixtures import make_pair_dirs
+from tests.tolerance import assert_fp_close, model_roundings
 
 # Needs the [hf] extra (installed by `make test` through the dev extra; optional for users).
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
@@ -33,7 +34,7 @@ def test_steps_truncate_and_extend_equal_one_forward(hf_pair):
         model.extend(state, [3, 4, 5])  # rejected drafts
         model.truncate(state, 4)
         b = model.extend(state, ids[4:])
-        torch.testing.assert_close(torch.cat([a, b]), full, rtol=0, atol=1e-5)
+        assert_fp_close(torch.cat([a, b]), full, model_roundings(model))
 
 
 def test_export_import_continues_identically(hf_pair):
@@ -45,7 +46,7 @@ def test_export_import_continues_identically(hf_pair):
     for tensor, spec in zip(tensors, target.kv_layout, strict=True):
         assert tuple(tensor.shape) == spec.shape_for(len(ids)) and tensor.dtype == spec.dtype
     clone = target.import_state([t.clone() for t in tensors], ids)
-    torch.testing.assert_close(target.extend(clone, ids[:3]), target.extend(state, ids[:3]), rtol=0, atol=1e-5)
+    assert_fp_close(target.extend(clone, ids[:3]), target.extend(state, ids[:3]), model_roundings(target))
 
 
 def test_batched_extend_equals_per_request(hf_pair):
@@ -57,9 +58,9 @@ def test_batched_extend_equals_per_request(hf_pair):
         batched = model.extend_batch(states, news)
         for prompt, new, got, state in zip(prompts, news, batched, states, strict=True):
             alone = model.prefill(prompt)[1]
-            torch.testing.assert_close(got, model.extend(alone, new), rtol=0, atol=1e-5)
+            assert_fp_close(got, model.extend(alone, new), model_roundings(model))
             assert state.tokens == alone.tokens
-            torch.testing.assert_close(model.extend(state, [4]), model.extend(alone, [4]), rtol=0, atol=1e-5)
+            assert_fp_close(model.extend(state, [4]), model.extend(alone, [4]), model_roundings(model))
 
 
 def test_draft_vocabulary_maps(hf_pair):

@@ -15,6 +15,7 @@ from models.loader import load_model, load_pair
 from models.tokenizer import TextTokenizer
 from pdspec import cli
 from tests.models.hf_fixtures import WORDS, make_family_checkpoint
+from tests.tolerance import assert_fp_close, model_roundings
 
 pytest.importorskip("transformers")
 
@@ -89,13 +90,13 @@ def test_saved_draft_loads_and_matches(target, tmp_path, capsys):
     assert pair.draft.vocab_size == pair.target.vocab_size and pair.draft.num_layers == 2
     logits, state = pair.draft.prefill(tokens[0, :4].tolist())
     rest = pair.draft.extend(state, tokens[0, 4:].tolist())
-    torch.testing.assert_close(torch.cat([logits[None], rest]), expected[3:], rtol=1e-5, atol=1e-5)
+    assert_fp_close(torch.cat([logits[None], rest]), expected[3:], model_roundings(pair.draft))
 
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
-        torch.testing.assert_close(hf(tokens).logits[0], expected, rtol=1e-4, atol=1e-4)
+        assert_fp_close(hf(tokens).logits[0], expected, model_roundings(pair.draft))
 
 
 def test_resume_gives_the_same_weights(target, tmp_path):
@@ -237,7 +238,7 @@ def test_a_restricted_head_gives_those_rows_logits(target):
     assert reduced.vocab_size == 5 and reduced.name != full.name
     tokens = [3, 38, 17, 2, 9]  # 38 has no head row: the embeddings stay whole
     expected = full.prefill(tokens)[0]  # [V]
-    torch.testing.assert_close(reduced.prefill(tokens)[0], expected[ids], rtol=1e-5, atol=1e-5)
+    assert_fp_close(reduced.prefill(tokens)[0], expected[ids], model_roundings(reduced))
     for bad in (torch.tensor([1, 1]), torch.tensor([40]), torch.tensor([], dtype=torch.int64)):
         with pytest.raises(ValueError, match="head_ids"):
             restrict_head(full, bad)
