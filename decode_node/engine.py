@@ -41,7 +41,7 @@ from engine.sequence import Sequence, Stats
 from models.base import import_tensors
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
-from pdspec.transfer import Buffer, HostCopy, to_device, to_host_async
+from common.transfer import Buffer, HostCopy, to_device, to_host_async
 from protos.validation import DecodeInput
 from sampling import RequestRng, Verifier
 from sampling.logprobs import TokenLogprob

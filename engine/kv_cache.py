@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pdspec.transfer import to_device
+from common.transfer import to_device
 
 
 class KvCacheFull(Exception):

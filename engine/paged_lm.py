@@ -27,7 +27,7 @@ from models.base import CausalLM, ChunkedImport, State, batch_positions, close_s
 from models.kv_import import KvWriter, gather
 from models.llama import EAGER, LlamaCausalLM, compiled_pointwise
 from models.pair import ModelPair
-from pdspec.transfer import HostCopy, pinned, to_device, to_host_async
+from common.transfer import HostCopy, pinned, to_device, to_host_async
 from protos.kv_layout import kv_bytes, layout_order
 
 log = logging.getLogger(__name__)

@@ -10,14 +10,24 @@ what a proposer reads of one).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.adaptive import AdaptiveK
 from engine.prompt_lookup import ContextIndex
 from engine.proposer import LOOKUP, Proposal
 from models.base import State
-from pdspec.stopping import finish_reason
 from sampling import RequestRng, SamplingParams
+
+
+def finish_reason(token: int, eos: Collection[int], stop: Collection[int], emitted: int, budget: int) -> str:
+    """Why a request ends at `token`, its `emitted`-th generated token ("" = it goes on):
+    an EOS id wins over a stop id, both over the length budget."""
+    if token in eos:
+        return "eos"
+    if token in stop:
+        return "stop"
+    return "length" if emitted >= budget else ""
 
 
 @dataclass

@@ -27,7 +27,7 @@ from torch.nn.utils.rnn import pad_sequence
 from engine.proposer import NO_PROPOSAL, Plan, Proposal, Proposer
 from engine.sequence import Sequence
 from models.base import CausalLM
-from pdspec.transfer import to_device
+from common.transfer import to_device
 from sampling import Verifier, point_mass
 from sampling.logprobs import TokenLogprob, token_logprobs
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pdspec.transfer import Buffer, host_bytes, side_stream
+from common.transfer import Buffer, host_bytes, side_stream
 from protos.kv_layout import KvTensorSpec
 
 STAGING_BYTES = 4 << 20  # a GPU import's pinned and device staging buffers: the default --kv-chunk-bytes

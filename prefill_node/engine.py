@@ -27,7 +27,7 @@ from engine.prompt_lookup import check_lookup_range
 from engine.proposer import DRAFT, Proposal, Proposer, check_tree_limits
 from engine.sequence import Sequence
 from models.pair import ModelPair
-from pdspec.transfer import HostCopy
+from common.transfer import HostCopy
 from protos import pdspec_pb2
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
 from protos.shm_kv import SharedKvSegment

@@ -19,7 +19,7 @@ from typing import Protocol
 import grpc
 
 from pdspec.metrics import NodeMetrics
-from pdspec.stopping import StopStrings
+from prefill_node.stop_strings import StopStrings
 from prefill_node.engine import Checked, Prefilled, PrefillEngine
 from prefill_node.watchdog import StallWatchdog
 from protos import pdspec_pb2

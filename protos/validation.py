@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdspec.transfer import Buffer
+from common.transfer import Buffer
 from protos import pdspec_pb2
 from protos.codec import TORCH_DTYPES, WIRE_DTYPES, TensorDecodeError, decode_tensor, dtype_name
 from protos.contract import Contract

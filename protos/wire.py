@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from google.protobuf.message import DecodeError
 
-from pdspec.transfer import Buffer, host_bytes
+from common.transfer import Buffer, host_bytes
 from protos import pdspec_pb2
 from protos.codec import WIRE_DTYPES
 from protos.validation import Violation
@@ -219,7 +219,7 @@ def layered_chunks(
 ) -> Iterator[HeaderChunkOut | KvChunkOut]:
     """The DecodeStream messages of a request whose KV is sent as it is computed: the header
     (`proposal_follows`), then each KV tensor in slices as `sink` yields it ((index, copy):
-    a pdspec.transfer.HostCopy, waited for here, in the sending thread),
+    a common.transfer.HostCopy, waited for here, in the sending thread),
     then the proposal when `sink` yields it (a WireDecodeRequest of first_token_id and
     proposal). `None` from `sink` ends the stream short: the decode node refuses it and frees
     what it reserved."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdspec.transfer import device_tensor
+from common.transfer import device_tensor
 
 FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32, ~1.18e-38
 

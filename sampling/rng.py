@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdspec.transfer import to_device
+from common.transfer import to_device
 
 _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment, the golden ratio in 64 bits
 _MASK = (1 << 64) - 1

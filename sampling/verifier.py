@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdspec.transfer import device_tensor, to_device
+from common.transfer import device_tensor, to_device
 from sampling.params import SamplingParams, SamplingTensors
 from sampling.rejection import Backend, RejectionSampler
 from sampling.rng import RequestRng, batch_uniforms

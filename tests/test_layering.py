@@ -13,18 +13,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("sampling", "protos", "models", "engine", "pdspec", "prefill_node", "decode_node", "bench", "tests")
+PACKAGES = ("common", "sampling", "protos", "models", "engine", "pdspec", "prefill_node", "decode_node", "bench", "tests")
 
 # Bottom to top. A module imports modules of lower layers, and of its own package in its own
 # layer; never a higher layer, nor another package of its layer. A package named here takes
 # all its modules but those named on their own; pdspec/ is placed module by module.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("leaf helpers", ("pdspec", "pdspec.logs", "pdspec.metrics", "pdspec.stopping", "pdspec.tls", "pdspec.transfer")),
+    ("ground helpers", ("common",)),
     ("sampling", ("sampling",)),
     ("protos", ("protos",)),
     ("models", ("models",)),
     ("engine", ("engine",)),
-    ("node shell", ("pdspec.config", "pdspec.modelspec", "pdspec.serving")),
+    (
+        "node shell",
+        ("pdspec", "pdspec.config", "pdspec.logs", "pdspec.metrics", "pdspec.modelspec", "pdspec.serving", "pdspec.tls"),
+    ),
     ("nodes", ("prefill_node", "decode_node")),
     (
         "entry points",
@@ -44,9 +47,9 @@ SPLIT_PACKAGES = {"pdspec"}  # a new module of these must be placed in LAYERS by
 
 # sampling/ is math: from the project it takes only itself and the host <-> device copies,
 # and no wire or model library
-SAMPLING_MAY_IMPORT = {"pdspec.transfer"}
+SAMPLING_MAY_IMPORT = {"common.transfer"}
 SAMPLING_FORBIDDEN_LIBRARIES = {"grpc", "google", "transformers", "tokenizers", "safetensors", "gguf"}
-# what a host <-> device copy helper is made of; pdspec/transfer.py holds the one implementation
+# what a host <-> device copy helper is made of; common/transfer.py holds the one implementation
 COPY_CALLS = {"pin_memory", "record_stream"}
 COPY_KEYWORDS = {"non_blocking", "pin_memory"}
 # a vocabulary mapping is a scatter over the vocabulary: sampling/d2t.py does it, protos/ never

@@ -1,4 +1,5 @@
-from pdspec.stopping import StopStrings, finish_reason
+from engine.sequence import finish_reason
+from prefill_node.stop_strings import StopStrings
 
 
 def test_finish_reason_order():

@@ -1,19 +1,9 @@
-"""When a request stops: the one rule of both nodes (token ids) and the prefill node's
-stop strings (text)."""
+"""Stop strings: matched by the prefill node on the detokenised text it streams (the token-id
+stop rule of both nodes is `engine.sequence.finish_reason`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-
-def finish_reason(token: int, eos: Sequence[int], stop: Sequence[int], emitted: int, budget: int) -> str:
-    """Why a request ends at `token`, its `emitted`-th generated token ("" = it goes on):
-    an EOS id wins over a stop id, both over the length budget."""
-    if token in eos:
-        return "eos"
-    if token in stop:
-        return "stop"
-    return "length" if emitted >= budget else ""
 
 
 class StopStrings:

@@ -1,0 +1,2 @@
+"""Ground helpers every layer may use and that import nothing of the project: host <-> device
+copies (transfer.py)."""
