@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.transfer import Buffer, HostCopy, to_device, to_host_async
 from engine import spec_step
 from engine.adaptive import AdaptiveK, BatchGate, StepCosts, calibrate
 from engine.device import on_device
@@ -41,7 +42,6 @@ from engine.sequence import Sequence, Stats
 from models.base import import_tensors
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
-from common.transfer import Buffer, HostCopy, to_device, to_host_async
 from protos.validation import DecodeInput
 from sampling import RequestRng, Verifier
 from sampling.logprobs import TokenLogprob

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.transfer import HostCopy, pinned, to_device, to_host_async
 from engine.device import on_device
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
 from engine.options import ATTENTION_BACKENDS, MAX_GRAPH_QUERIES
@@ -27,7 +28,6 @@ from models.base import CausalLM, ChunkedImport, State, batch_positions, close_s
 from models.kv_import import KvWriter, gather
 from models.llama import EAGER, LlamaCausalLM, compiled_pointwise
 from models.pair import ModelPair
-from common.transfer import HostCopy, pinned, to_device, to_host_async
 from protos.kv_layout import kv_bytes, layout_order
 
 log = logging.getLogger(__name__)

@@ -39,11 +39,11 @@ from typing import Protocol
 
 import torch
 
+from common.transfer import to_device
 from engine.options import SPECULATIVE_METHODS
 from engine.prompt_lookup import ContextIndex, chains_to_tree, check_lookup_range
 from models.base import CausalLM, State
 from models.pair import ModelPair
-from common.transfer import to_device
 from sampling import DraftToTargetMap, RequestRng, SamplingParams, SamplingTensors, point_mass, propose_candidates
 from sampling.proposal import DraftLaw
 from sampling.tree import MAX_TREE_NODES

@@ -24,10 +24,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from common.transfer import to_device
 from engine.proposer import NO_PROPOSAL, Plan, Proposal, Proposer
 from engine.sequence import Sequence
 from models.base import CausalLM
-from common.transfer import to_device
 from sampling import Verifier, point_mass
 from sampling.logprobs import TokenLogprob, token_logprobs
 

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.transfer import HostCopy
 from engine.device import on_device
 from engine.options import SPECULATIVE_METHODS
 from engine.prompt_lookup import check_lookup_range
 from engine.proposer import DRAFT, Proposal, Proposer, check_tree_limits
 from engine.sequence import Sequence
 from models.pair import ModelPair
-from common.transfer import HostCopy
 from protos import pdspec_pb2
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
 from protos.shm_kv import SharedKvSegment

@@ -19,8 +19,8 @@ from typing import Protocol
 import grpc
 
 from pdspec.metrics import NodeMetrics
-from prefill_node.stop_strings import StopStrings
 from prefill_node.engine import Checked, Prefilled, PrefillEngine
+from prefill_node.stop_strings import StopStrings
 from prefill_node.watchdog import StallWatchdog
 from protos import pdspec_pb2
 from protos.status import ended_status, status_code

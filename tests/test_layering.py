@@ -13,7 +13,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("common", "sampling", "protos", "models", "engine", "pdspec", "prefill_node", "decode_node", "bench", "tests")
+PACKAGES = (
+    "common",
+    "sampling",
+    "protos",
+    "models",
+    "engine",
+    "pdspec",
+    "prefill_node",
+    "decode_node",
+    "bench",
+    "tests",
+)
 
 # Bottom to top. A module imports modules of lower layers, and of its own package in its own
 # layer; never a higher layer, nor another package of its layer. A package named here takes
@@ -26,7 +37,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine", ("engine",)),
     (
         "node shell",
-        ("pdspec", "pdspec.config", "pdspec.logs", "pdspec.metrics", "pdspec.modelspec", "pdspec.serving", "pdspec.tls"),
+        (
+            "pdspec",
+            "pdspec.config",
+            "pdspec.logs",
+            "pdspec.metrics",
+            "pdspec.modelspec",
+            "pdspec.serving",
+            "pdspec.tls",
+        ),
     ),
     ("nodes", ("prefill_node", "decode_node")),
     (
