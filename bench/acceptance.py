@@ -57,6 +57,7 @@ from decode_node.engine import DecodeConfig, DecodeEngine
 from engine.paged_lm import bytes_per_token, paged_pair, pool_bytes_for
 from engine.proposer import DRAFT, NO_PROPOSAL, Plan, Proposal, Proposer, Row
 from engine.sequence import Stats
+from engine.spec_config import SpeculativeConfig
 from models.llama import layer_skip_draft
 from models.pair import ModelPair
 from models.tokenizer import ByteTokenizer
@@ -64,21 +65,23 @@ from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
 from protos.validation import DecodeInput, Receiver, validate_decode_request
 from sampling import DraftToTargetMap
-from sampling.proposal import DraftLaw
+from sampling.tree import MAX_TREE_NODES
 
 SIGMAS = 4.5  # how far the per-draft acceptance may be from α, in binomial standard deviations
 
 
-class OracleProposer(Proposer):
+class OracleProposer:
     """Draft i of a row: with probability α the token its K = 0 greedy continuation has after
     the row's history and drafts 1..i-1 (the target's own next token), else another one. Point
     masses (law None), chains. Rows are found by their prompt (`continuations`: prompt -> every
     token generated after it, the prefill node's first included; prompts of one length). The
     coin flips come from one generator seeded per run: a run is reproducible. Greedy rows only.
-    A benchmark's tool: no serving option selects it."""
+    A benchmark's tool (the `Proposer` protocol): no serving option selects it. No draft model:
+    no per-request state, no draft KV."""
+
+    method, trees, max_tree_nodes, uses_draft, match_driven = "oracle", False, MAX_TREE_NODES, False, False
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], alpha: float, vocab_size: int, seed: int):
-        super().__init__(DRAFT, None, None, DraftLaw.POINT_MASS, trees=False)
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha: expected 0..1, got {alpha}")
         lengths = {len(prompt) for prompt in continuations}
@@ -89,9 +92,14 @@ class OracleProposer(Proposer):
         self.alpha, self.vocab_size = alpha, vocab_size
         self.generator = torch.Generator().manual_seed(seed)
 
-    @property
-    def uses_draft(self) -> bool:
-        return False  # no draft model: no draft state, no draft KV
+    def start(self, rows: Sequence[Row], kv_needs: Sequence[int]) -> None:
+        pass
+
+    def stop(self, row: Row) -> None:
+        pass
+
+    def plan(self, rows: Sequence[Row], caps: Sequence[int]) -> list[Plan]:
+        return [Plan(DRAFT, cap) for cap in caps]
 
     def max_nodes(self, depth: int, candidates: int) -> int:
         return depth  # a chain
@@ -230,7 +238,11 @@ def prefilled(pair: ModelPair, device: str, batch: int, prompt_tokens: int, seed
 
 def measure(pair: ModelPair, args: argparse.Namespace, batch: int, rows: list[dict], table: list[list]) -> None:
     """Every (α, K) and K = 0 at one batch size: a row each in `rows` and `table`."""
-    config = DecodeConfig(device=args.device, max_batch=batch, max_speculative_tokens=max(args.ks), adaptive_k="off")
+    config = DecodeConfig(
+        spec=SpeculativeConfig(max_speculative_tokens=max(args.ks), adaptive_k="off"),
+        device=args.device,
+        max_batch=batch,
+    )
     inputs = prefilled(pair, args.device, batch, args.prompt_tokens, args.seed)
     # The last steps' drafts reach up to K - 1 tokens past the budget: the continuation covers them.
     reference = decode(pair, config, inputs, 0, args.new_tokens + max(args.ks), None)

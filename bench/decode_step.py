@@ -40,6 +40,7 @@ from bench.common import environment, markdown_table, write_results
 from bench.gpu_e2e import copy_bandwidth, paged, random_model, step_rows, sync, weight_bytes
 from decode_node.engine import DecodeConfig, DecodeEngine
 from engine.paged_lm import bytes_per_token, paged_pair
+from engine.spec_config import SpeculativeConfig
 from models.llama import layer_skip_draft
 from models.pair import ModelPair
 from models.tokenizer import ByteTokenizer
@@ -52,7 +53,12 @@ from sampling import DraftToTargetMap
 def engine_steps(pair: ModelPair, device: str, batch: int, k: int, context: int, steps: int, scheduling: str):
     """(median seconds per step, device ms and kernels per step or None, top host functions)."""
     prefill = PrefillEngine(pair, PrefillConfig(device=device))
-    config = DecodeConfig(device=device, max_batch=batch, max_speculative_tokens=max(k, 1), async_scheduling=scheduling)
+    config = DecodeConfig(
+        spec=SpeculativeConfig(max_speculative_tokens=max(k, 1)),
+        device=device,
+        max_batch=batch,
+        async_scheduling=scheduling,
+    )
     decode = DecodeEngine(pair, config)
     receiver = Receiver.from_contract(pair.contract(), max(k, 1))
 

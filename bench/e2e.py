@@ -27,6 +27,7 @@ from bench.common import environment, markdown_table, write_results
 from decode_node.engine import DecodeConfig, DecodeEngine
 from decode_node.server import DecodeNodeConfig
 from decode_node.server import run_server as run_decode
+from engine.spec_config import SpeculativeConfig
 from models.loader import load_pair
 from pdspec.client import Client
 from prefill_node.engine import PrefillConfig
@@ -120,7 +121,10 @@ def main() -> None:
             return DecodeEngine(pair, config, metrics, verifier=Verifier("torch", sampler=recorder))
 
         decode_config = DecodeNodeConfig(
-            host="127.0.0.1", port=0, metrics_port=None, engine=DecodeConfig(draft_law=law, max_batch=64)
+            host="127.0.0.1",
+            port=0,
+            metrics_port=None,
+            engine=DecodeConfig(spec=SpeculativeConfig(draft_law=law), max_batch=64),
         )
         with run_decode(decode_config, lambda: pair, engine_factory=engine) as decode:
             prefill_config = PrefillNodeConfig(
@@ -128,7 +132,7 @@ def main() -> None:
                 host="127.0.0.1",
                 port=0,
                 metrics_port=None,
-                engine=PrefillConfig(draft_law=law),
+                engine=PrefillConfig(spec=SpeculativeConfig(draft_law=law)),
                 peer_check_s=0.1,
             )
             with run_prefill(prefill_config, lambda: pair) as prefill, Client(f"127.0.0.1:{prefill.port}") as client:

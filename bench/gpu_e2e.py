@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, gil_holders, markdown_table, write_results
 from engine.paged_lm import PagedLlamaLM, bytes_per_token
+from engine.spec_config import SpeculativeConfig
 from models.llama import LlamaCausalLM, LlamaConfig, LlamaForCausalLM, layer_skip_draft
 from models.pair import ModelPair
 from models.tokenizer import ByteTokenizer
@@ -313,7 +314,10 @@ def serve(
                 models=spec,
                 limits=limits,
                 engine=DecodeConfig(
-                    device=device, max_batch=max_batch, max_queue=256, max_speculative_tokens=k_max, draft_law=law
+                    spec=SpeculativeConfig(max_speculative_tokens=k_max, draft_law=law),
+                    device=device,
+                    max_batch=max_batch,
+                    max_queue=256,
                 ),
             ),
             lambda: pair,
@@ -329,11 +333,10 @@ def serve(
                 models=spec,
                 # the handoff section times the one-message path (DecodeStream is bench/wire_kv.py's)
                 engine=PrefillConfig(
+                    spec=SpeculativeConfig(max_speculative_tokens=k_max, draft_law=law),
                     device=device,
                     limits=limits,
-                    max_speculative_tokens=k_max,
-                    draft_law=law,
-                    **(prefill_options or {"kv_stream_threshold_bytes": 1 << 40}),
+                    **prefill_options or {"kv_stream_threshold_bytes": 1 << 40},
                 ),
                 peer_check_s=0.1,
                 max_streams=512,

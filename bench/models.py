@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment, markdown_table, median_ms, write_results
+from engine.spec_config import SpeculativeConfig
 from models.loader import load_pair
 
 KS = [1, 4, 8]
@@ -109,8 +110,10 @@ def decode_run(pair, prompt_ids: list[int], *, k: int, law, temperature: float, 
     from protos import pdspec_pb2
     from protos.validation import Receiver, validate_decode_request
 
-    prefill = PrefillEngine(pair, PrefillConfig(draft_law=law))
-    decode = DecodeEngine(pair, DecodeConfig(max_speculative_tokens=max(k, 1), max_batch=1, draft_law=law))
+    prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(draft_law=law)))
+    decode = DecodeEngine(
+        pair, DecodeConfig(spec=SpeculativeConfig(max_speculative_tokens=max(k, 1), draft_law=law), max_batch=1)
+    )
     request = pdspec_pb2.GenerateRequest(
         request_id=str(seed),
         prompt_token_ids=prompt_ids,

@@ -34,6 +34,7 @@ from bench.common import environment, markdown_table, write_results
 from decode_node.engine import DecodeConfig
 from decode_node.server import DecodeNodeConfig
 from decode_node.server import run_server as run_decode
+from engine.spec_config import SpeculativeConfig
 from pdspec.client import Client
 from pdspec.modelspec import ModelSpec
 from prefill_node.engine import PrefillConfig
@@ -63,7 +64,7 @@ class Config:
 
 @contextlib.contextmanager
 def nodes(models: ModelSpec, method: str, max_batch: int):
-    engine = DecodeConfig(speculative_method=method, max_batch=max_batch, device=models.device)
+    engine = DecodeConfig(spec=SpeculativeConfig(method=method), max_batch=max_batch, device=models.device)
     decode_config = DecodeNodeConfig(host="127.0.0.1", port=0, metrics_port=None, engine=engine, models=models)
     with run_decode(decode_config) as decode:
         prefill_config = PrefillNodeConfig(
@@ -72,7 +73,7 @@ def nodes(models: ModelSpec, method: str, max_batch: int):
             port=0,
             metrics_port=None,
             http_port=None,
-            engine=PrefillConfig(speculative_method=method, device=models.device),
+            engine=PrefillConfig(spec=SpeculativeConfig(method=method), device=models.device),
             models=models,
             peer_check_s=0.1,
         )
@@ -206,7 +207,7 @@ def main() -> None:
         by_method.setdefault(config.method, []).append(config)
     for method, group in by_method.items():
         with nodes(models, method, max(batches)) as (client, decode):
-            print(f"# {method}: step costs {decode.engine.costs}", flush=True)
+            print(f"# {method}: step costs {decode.engine.policy.costs}", flush=True)
             # Warm-up, untimed: each group's longest prompt for the whole budget, so the CUDA graphs of
             # every key width a timed run reaches are captured (else the first timed config pays them).
             longest = [max(chosen, key=lambda p: len(p["ids"])) for chosen in groups.values()]

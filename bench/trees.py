@@ -34,6 +34,7 @@ from bench.common import environment, markdown_table, write_results
 from decode_node.engine import DecodeConfig, DecodeEngine
 from engine.paged_lm import paged_pair
 from engine.proposer import shape_nodes, tree_shape
+from engine.spec_config import SpeculativeConfig
 from models.loader import load_pair
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
@@ -57,10 +58,14 @@ SIMULATED_POSITIONS = 48  # evenly spaced over all requests' contexts
 
 def run_request(pair, ids, *, k, candidates, law, temperature, seed, new_tokens, device) -> dict:
     """One seeded request: prefill untimed, the decode node's steps timed."""
-    prefill = PrefillEngine(pair, PrefillConfig(draft_law=law, device=device, max_draft_candidates=4))
+    prefill = PrefillEngine(
+        pair, PrefillConfig(spec=SpeculativeConfig(draft_law=law, max_draft_candidates=4), device=device)
+    )
     decode = DecodeEngine(
         pair,
-        DecodeConfig(max_speculative_tokens=max(k, 1), max_batch=1, draft_law=law, device=device),
+        DecodeConfig(
+            spec=SpeculativeConfig(max_speculative_tokens=max(k, 1), draft_law=law), max_batch=1, device=device
+        ),
     )
     request = pdspec_pb2.GenerateRequest(
         request_id=str(seed),

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from decode_node.engine import ADAPTIVE_K, ASYNC_SCHEDULING, DecodeConfig
+from decode_node.engine import ASYNC_SCHEDULING, DecodeConfig
 from decode_node.server import DecodeNodeConfig, run_server
-from pdspec.config import node_options, node_parser, request_limits
+from engine.options import ADAPTIVE_K
+from pdspec.config import node_options, node_parser, request_limits, speculative_config
 from pdspec.logs import setup_logging
 from pdspec.serving import serve_until_signal
-from sampling.proposal import DraftLaw
 
 
 def build_parser():
@@ -57,20 +57,13 @@ def parse_args(argv: list[str] | None = None) -> DecodeNodeConfig:
 
 def engine_config(args) -> DecodeConfig:
     return DecodeConfig(
-        max_speculative_tokens=args.max_speculative_tokens,
-        max_draft_candidates=args.max_draft_candidates,
-        max_tree_nodes=args.max_tree_nodes,
+        spec=speculative_config(args),
         max_batch=args.max_batch,
         max_queue=args.max_queue,
-        draft_law=DraftLaw(args.draft_sampling),
         default_max_new_tokens=args.default_max_new_tokens,
         sampler_backend=args.sampler_backend,
         device=args.device,
         async_scheduling=args.async_scheduling,
-        speculative_method=args.speculative_method,
-        prompt_lookup_min=args.prompt_lookup_min,
-        prompt_lookup_max=args.prompt_lookup_max,
-        adaptive_k=args.adaptive_k,
     )
 
 

@@ -33,60 +33,37 @@ import torch
 
 from common.transfer import Buffer, HostCopy, to_device, to_host_async
 from engine import spec_step
-from engine.adaptive import AdaptiveK, BatchGate, StepCosts, calibrate
+from engine.adaptive import StepCosts, calibrate
 from engine.device import on_device
-from engine.options import SPECULATIVE_METHODS
-from engine.prompt_lookup import check_lookup_range
-from engine.proposer import DRAFT, LOOKUP, PREFILL, Plan, Proposal, Proposer, check_tree_limits
+from engine.proposer import PREFILL, Proposal, Proposer
+from engine.proposers import proposer_for
 from engine.sequence import Sequence, Stats
+from engine.spec_config import SpeculativeConfig
+from engine.spec_policy import SpecPolicy
 from models.base import import_tensors
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from protos.validation import DecodeInput
 from sampling import RequestRng, Verifier
 from sampling.logprobs import TokenLogprob
-from sampling.proposal import DraftLaw
-from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    max_speculative_tokens: int = 8
-    max_draft_candidates: int = 4  # candidates per node a request may ask for (1: chains only)
-    max_tree_nodes: int = MAX_TREE_NODES  # nodes of one proposal tree at most
+    spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     max_batch: int = 32  # requests per engine step
     max_queue: int = 128  # requests waiting for a batch slot; beyond that: QueueFull
-    draft_law: DraftLaw = DraftLaw.POINT_MASS
     default_max_new_tokens: int = 64
     sampler_backend: str = "auto"
     device: str = "cpu"
     async_scheduling: str = "auto"  # on | off | auto (on where the device is a GPU)
-    speculative_method: str = "draft"  # engine/options.SPECULATIVE_METHODS
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 5
-    adaptive_k: str = "auto"  # on | off | auto (on for prompt-lookup and hybrid)
     step_costs: StepCosts | None = None  # adaptive K's cost table; None: measured at start-up (calibrate)
 
     def __post_init__(self) -> None:
-        check_tree_limits(self.max_draft_candidates, self.max_tree_nodes)
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise ValueError(f"async_scheduling: expected one of {ASYNC_SCHEDULING}, got {self.async_scheduling!r}")
-        if self.speculative_method not in SPECULATIVE_METHODS:
-            raise ValueError(
-                f"speculative_method: expected one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}"
-            )
-        check_lookup_range(self.prompt_lookup_min, self.prompt_lookup_max)
-        if self.adaptive_k not in ADAPTIVE_K:
-            raise ValueError(f"adaptive_k: expected one of {ADAPTIVE_K}, got {self.adaptive_k!r}")
-
-    @property
-    def adaptive(self) -> bool:
-        """Whether each step picks each request's K (else every step drafts the request's K)."""
-        if self.adaptive_k == "auto":
-            return self.speculative_method != DRAFT
-        return self.adaptive_k == "on"
 
     @property
     def pipelined(self) -> bool:
@@ -97,7 +74,6 @@ class DecodeConfig:
 
 
 ASYNC_SCHEDULING = ("auto", "on", "off")
-ADAPTIVE_K = ("auto", "on", "off")
 
 
 class QueueFull(Exception):
@@ -163,11 +139,9 @@ class DecodeEngine:
         # Draft ids were validated at the wire (protos/validation) or come from d2t: no value
         # checks, which would each make the host wait for the step's forward.
         self.verifier = verifier or Verifier(config.sampler_backend, config.device, check_values=False)
-        self.proposer = proposer or Proposer.for_node(pair, config)
-        self.costs = config.step_costs or StepCosts((1.0,) * (config.max_speculative_tokens + 1))
-        # Prompt lookup with adaptive K: whether a batch speculates at all, from its measured steps.
-        self.gate = BatchGate() if config.adaptive and self.proposer.method == LOOKUP else None
-        self._step_kind: tuple[int, bool] | None = None  # (rows, speculated) of a gated step, for the gate
+        self.proposer = proposer or proposer_for(pair, config.spec, config.device)
+        costs = config.step_costs or StepCosts((1.0,) * (config.spec.max_speculative_tokens + 1))
+        self.policy = SpecPolicy(config.spec, self.proposer, costs, self.pipelined)
         self._lock = threading.Condition()
         self._pending: list[Request] = []
         self._active: list[Request] = []
@@ -194,9 +168,8 @@ class DecodeEngine:
             k=k,
             candidates=decode_input.draft_candidates,
             logprobs=decode_input.logprobs,
-            method=config.speculative_method,
+            method=self.proposer.method,
             history=[*decode_input.prompt_token_ids, decode_input.first_token_id],
-            spec=AdaptiveK(k) if config.adaptive and k else None,
             received=received,
         )
 
@@ -268,8 +241,8 @@ class DecodeEngine:
 
     @property
     def max_draft_candidates(self) -> int:
-        """Candidates per node this node verifies and drafts: 1 where a model cannot mask by tree."""
-        return self.config.max_draft_candidates if self.proposer.trees else 1
+        """Candidates per node this node verifies and drafts."""
+        return self.config.spec.candidates(self.proposer.trees)
 
     @property
     def pipelined(self) -> bool:
@@ -293,21 +266,21 @@ class DecodeEngine:
         """Measure adaptive K's cost table on this node's models (`engine/adaptive.calibrate`), as
         this node runs a K = 0 step (queued, with async scheduling). Start-up only (the engine
         thread is not running); a no-op without adaptive K or with a table configured."""
-        config = self.config
-        if not config.adaptive or config.step_costs is not None:
-            return self.costs
+        config, policy = self.config, self.policy
+        if not config.spec.adaptive or config.step_costs is not None:
+            return policy.costs
         draft = self.pair.draft if self.proposer.uses_draft else None
         with on_device(config.device):
-            self.costs = calibrate(
-                self.pair.target, draft, self.verifier, config.max_speculative_tokens, self.pipelined
+            policy.costs = calibrate(
+                self.pair.target, draft, self.verifier, config.spec.max_speculative_tokens, self.pipelined
             )
         log.info(
             "adaptive K step costs: verify %s, draft depth %.2f, K = 0 read back %.2f",
-            self.costs.verify,
-            self.costs.depth,
-            self.costs.sync,
+            policy.costs.verify,
+            policy.costs.depth,
+            policy.costs.sync,
         )
-        return self.costs
+        return policy.costs
 
     # -- the loop ---------------------------------------------------------------------
     def start(self) -> None:
@@ -346,12 +319,9 @@ class DecodeEngine:
         GPU, not while it prepares the next step: on an H200 at 32 streams they took the GIL
         ~1.8 ms per step, on the engine's critical path."""
         started = time.perf_counter()
-        self._step_kind = None
         with on_device(self.config.device):
             ran = self._step()
-        if self._step_kind is not None:
-            rows, speculated = self._step_kind
-            self.gate.record(rows, speculated, time.perf_counter() - started)
+        self.policy.timed(time.perf_counter() - started)
         if deliver or not self._active:
             self._deliver()
         if ran and self.metrics:
@@ -403,7 +373,7 @@ class DecodeEngine:
             self._sweep()
             return False
         try:
-            hold = bool(live) and self._gated(live, unread, self._pipelines(live, unread))
+            hold = bool(live) and self.policy.hold([r.seq for r in live], {r.seq for r in unread})
             if hold and self.pipelined:
                 self._launch(live)
             else:
@@ -452,115 +422,44 @@ class DecodeEngine:
     def _retire(self, request: Request) -> None:
         """Free a leaving request's KV (finished, cancelled, expired or failed)."""
         seq = request.seq
-        for model, state in ((self.pair.target, seq.target_state), (self.pair.draft, seq.draft_state)):
-            if state is not None:
-                model.release(state)
-        seq.target_state = seq.draft_state = None
+        if seq.target_state is not None:
+            self.pair.target.release(seq.target_state)
+            seq.target_state = None
+        self.proposer.stop(seq)
+        self.policy.forget(seq)
 
     # -- internals --------------------------------------------------------------------
     def _admit(self, request: Request) -> None:
         """Its KV into the blocks `_claim` reserved (unless streamed there already), and the
-        draft state and prompt-lookup index of a request that speculates."""
+        proposer's per-request state of a request that speculates."""
         if request.cancelled.is_set():
             return  # never starts: _retire frees what _claim reserved
         seq, data = request.seq, request.input
         if not request.streamed:
             import_tensors(self.pair.target, seq.target_state, data.kv_cache)
-        if seq.k and self.proposer.uses_draft:  # a request that never drafts needs no draft state
-            seq.draft_state = self.pair.draft.prefill(seq.prompt)[1]
-            self.pair.draft.reserve(seq.draft_state, request.kv_need)
-        if seq.k:
-            self.proposer.index(seq)
+        self.policy.admit(seq)
+        if seq.k:  # a request that never drafts needs no drafting state
+            self.proposer.start([seq], [request.kv_need])
         if self.metrics:
             self.metrics.queue_time.labels("decode").observe(time.monotonic() - request.arrived)
             self.metrics.prompt_tokens.labels("decode").inc(len(seq.prompt))
 
     def _speculate(self, requests: list[Request], hold: bool) -> None:
-        """A synchronous step (engine/spec_step.py): each row proposes the K its running
-        acceptance pays for (adaptive K) or its own K, or verifies what it received on its first
-        step; nothing is drafted when the batch gate holds the step (`hold`)."""
+        """A synchronous step (engine/spec_step.py) of the depths the policy chose; nothing is
+        drafted when the step is held at K = 0 (`hold`)."""
         seqs = [r.seq for r in requests]
-        own = [s for s in seqs if not s.first_step and s.k]
-        caps = [0 if hold or self._lookup_idle(s) else s.k for s in own]
-        chosen: dict[Sequence, tuple[Plan, int]] = {}
-        for seq, plan in zip(own, self.proposer.plan(own, caps), strict=True):
-            depth = plan.limit if seq.spec is None else seq.spec.choose(plan.source, plan.limit, self.costs)
-            chosen[seq] = plan, depth
-            self._chose(seq, depth)
-        plans = [chosen[s][0] if s in chosen else None for s in seqs]
-        depths = [chosen[s][1] if s in chosen else 0 for s in seqs]
-        proposals = spec_step.propose(self.proposer, seqs, plans, depths, self.config.device, hold)
+        choice = self.policy.choose(seqs, hold)
+        for seq, plan, depth in zip(seqs, choice.plans, choice.depths, strict=True):
+            if plan is not None:
+                self._chose(seq, depth)
+        proposals = spec_step.propose(self.proposer, seqs, choice.plans, choice.depths, self.config.device, hold)
         verified = spec_step.verify(self.pair.target, self.pair.draft, self.verifier, seqs, proposals, self._deliver)
         for request, proposal, row in zip(requests, proposals, verified, strict=True):
             seq = request.seq
             self._record(seq, proposal, row)
-            if seq.spec is not None:
-                ours = proposal.source != PREFILL  # the prefill's proposal says nothing of this node's choices
-                seq.spec.observe(proposal.source if ours else None, proposal.depth, len(row.emitted) - 1)
+            ours = proposal.source != PREFILL  # the prefill's proposal says nothing of this node's choices
+            self.policy.verified(seq, proposal.source if ours else None, proposal.depth, len(row.emitted) - 1)
             self._advance(request, row.emitted, row.logprobs)
-
-    def _pipelines(self, requests: list[Request], unread: set[Request]) -> bool:
-        """Whether this step can be queued before the step in flight (its rows: `unread`) is
-        read: every row emits exactly one token (no drafts: K = 0, or prompt lookup that may not
-        draft now) and needs nothing but its token back (no logprobs)."""
-        if not self.pipelined:
-            return False
-        return all(r.seq.plain or self._lookup_idle(r.seq, r in unread) for r in requests)
-
-    def _gated(self, requests: list[Request], unread: set[Request], pipelines: bool) -> bool:
-        """Whether this step runs at K = 0 (queued, with async scheduling): when every row emits
-        one token anyway (`pipelines`), or when the batch gate holds it there. Only a batch of more
-        than one row with nothing to read back but their tokens is gated; its step is then timed
-        for the gate, of either kind. A row's tokens never depend on the gate's choice: prompt
-        lookup proposes point masses, verified by coupling (seeded sampled rows draw what they
-        would at K = 0). A row on its first step is held by dropping the prefill's proposal (a
-        point mass too): else every request that joins a large batch would make one step of the
-        whole batch speculate."""
-        seqs = [r.seq for r in requests]
-        gateable = (
-            self.gate is not None
-            and len(seqs) > 1
-            and all(
-                (s.plain or s.spec is not None) and not s.logprobs and (not s.first_step or s.received.probs is None)
-                for s in seqs
-            )
-        )
-        if not gateable:
-            return pipelines
-        expected = sum(self._gain(r.seq, r in unread) for r in requests)
-        plain = pipelines or not self.gate.allows(len(seqs), expected)
-        self._step_kind = (len(seqs), not plain)
-        return plain
-
-    def _gain(self, seq: Sequence, in_flight: bool) -> float:
-        """The tokens a row expects from this step if the batch speculates."""
-        if seq.plain:
-            return 1.0
-        if seq.first_step:  # the prefill's proposal, at the acceptance the row has shown (its prior)
-            return seq.spec.expected(LOOKUP, len(seq.received.token_ids))
-        return 1.0 if self._lookup_idle(seq, in_flight) else seq.gain
-
-    def _lookup_idle(self, seq: Sequence, in_flight: bool = False) -> bool:
-        """A prompt-lookup row whose next step cannot draft, past its first step. The context after
-        the step before the last decides: `hit` while the row's last step is still in flight,
-        `may_draft` once it is read."""
-        return (
-            self.proposer.method == LOOKUP
-            and seq.lookup is not None
-            and not (seq.hit if in_flight else seq.may_draft)
-            and not seq.first_step
-            and not seq.logprobs
-        )
-
-    def _lookup_hit(self, seq: Sequence) -> bool:
-        """Whether the context as it is now has a prompt-lookup match that adaptive K would draft,
-        and, with async scheduling, one worth the wait for the token in flight (`pays_to_wait`)."""
-        matched, _ = seq.lookup.match(seq.k)
-        if seq.spec is None:
-            return bool(matched)
-        k = seq.spec.choose(LOOKUP, len(matched), self.costs) if matched else 0
-        seq.gain = seq.spec.expected(LOOKUP, k)
-        return k > 0 and (not self.pipelined or seq.spec.pays_to_wait(LOOKUP, k, self.costs))
 
     def _launch(self, requests: list[Request]) -> None:
         """Queue a K = 0 step for `requests` (async scheduling), then read the step before it.
@@ -619,10 +518,9 @@ class DecodeEngine:
                 continue
             seq = request.seq
             seq.target_state.tokens[slot] = seq.history[-1]  # what the step fed: read by now
-            if seq.lookup is not None:  # a prompt-lookup row that could not draft
+            if seq.k:  # a row that may speculate, held at K = 0 (no match, or the batch gate)
                 self._chose(seq, 0)
-                if seq.spec is not None:
-                    seq.spec.observe(None, 0, 0)
+                self.policy.ran_plain(seq)
             self._advance(request, [token], [])
 
     def _chose(self, seq: Sequence, depth: int) -> None:
@@ -634,11 +532,10 @@ class DecodeEngine:
         seq = request.seq
         out, reason = seq.append(emitted)
         logprobs = logprobs[: len(out)]
-        if seq.lookup is not None and not reason:
-            seq.may_draft, seq.hit = seq.hit, self._lookup_hit(seq)
         if reason:
             self._finish(request, out, reason, logprobs)
         else:
+            self.policy.advanced(seq)
             self._emit(request, Event(out, logprobs=logprobs))
 
     def _finish(

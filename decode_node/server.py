@@ -454,14 +454,12 @@ def node_info(pair: ModelPair, config: DecodeNodeConfig, engine: DecodeEngine) -
         target_vocab_size=contract.target_vocab_size,
         draft_vocab_size=contract.draft_vocab_size,
         draft_to_target=list(contract.d2t),
-        max_speculative_tokens=engine_config.max_speculative_tokens,
         sampler_backend=engine.verifier.backend,
         device=engine_config.device,
         target_model=contract.target_model,
         draft_model=contract.draft_model,
-        draft_law=engine_config.draft_law.value,
         # what this node expects by default: the prefill default for its draft law
-        proposal_encoding=choose_encoding(None, engine_config.draft_law, False).value,
+        proposal_encoding=choose_encoding(None, engine_config.spec.draft_law, False).value,
         version=pdspec.__version__,
         dtype=model_dtype(pair),
         backends=json.dumps(
@@ -469,13 +467,8 @@ def node_info(pair: ModelPair, config: DecodeNodeConfig, engine: DecodeEngine) -
         ),
         max_new_tokens_limit=config.limits.max_new_tokens,
         max_prompt_tokens=config.limits.max_prompt_tokens,
-        max_draft_candidates=engine.max_draft_candidates,
-        max_tree_nodes=engine_config.max_tree_nodes,
         accepts_shm_kv=config.accept_shm_kv,
-        speculative_method=engine_config.speculative_method,
-        prompt_lookup_min=engine_config.prompt_lookup_min,
-        prompt_lookup_max=engine_config.prompt_lookup_max,
-        adaptive_k=engine_config.adaptive,
+        **engine_config.spec.info(engine.proposer.trees, engine_config.spec.adaptive),
         kv_pool_bytes=kv_pool_bytes(pair),
     )
 
@@ -510,18 +503,19 @@ def run_server(
         eager=config.models.enforce_eager,
         attention=config.models.attention_backend,
         capture=config.models.graph_capture(
-            max_k=config.engine.max_speculative_tokens, decode=True, max_batch=config.engine.max_batch
+            max_k=config.engine.spec.max_speculative_tokens, decode=True, max_batch=config.engine.max_batch
         ),
     )
     contract = pair.contract()
-    trees = pair.supports_trees and config.engine.max_draft_candidates > 1
-    rows = max(config.engine.max_speculative_tokens, config.engine.max_tree_nodes if trees else 0)  # proposal rows
+    spec = config.engine.spec
+    trees = spec.candidates(pair.supports_trees) > 1
+    rows = max(spec.max_speculative_tokens, spec.max_tree_nodes if trees else 0)  # proposal rows
     limit = config.max_message_bytes or max_message_bytes(contract, rows, config.limits.max_prompt_tokens)
     metrics = NodeMetrics(
         "decode",
-        config.engine.max_speculative_tokens,
+        spec.max_speculative_tokens,
         VALIDATED_FIELDS,
-        methods=[config.engine.speculative_method],
+        methods=[spec.method],
         sources=PROPOSAL_SOURCES,
     )
     shell = NodeShell(
@@ -539,11 +533,11 @@ def run_server(
     engine.calibrate()
     receiver = Receiver(
         contract,
-        config.engine.max_speculative_tokens,
+        spec.max_speculative_tokens,
         pair.d2t,
         config.limits,
         max_draft_candidates=engine.max_draft_candidates,
-        max_tree_nodes=config.engine.max_tree_nodes,
+        max_tree_nodes=spec.max_tree_nodes,
         accept_shm_kv=config.accept_shm_kv,
     )
     info = node_info(pair, config, engine)

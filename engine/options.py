@@ -5,7 +5,8 @@ from, so that no caller imports them out of the modules that implement them (doc
 from sampling.tree import MAX_TREE_NODES
 
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa")  # engine/paged_lm.py: attention_backend
-SPECULATIVE_METHODS = ("draft", "prompt-lookup", "hybrid")  # engine/proposer.py: Proposer
+SPECULATIVE_METHODS = ("draft", "prompt-lookup", "hybrid")  # engine/proposers.py: proposer_for
+ADAPTIVE_K = ("auto", "on", "off")  # engine/spec_config.py: SpeculativeConfig.adaptive
 # Tokens per row of a forward replayed from a CUDA graph (engine/paged_lm.py), at most: the
 # verify pass of the largest tree
 MAX_GRAPH_QUERIES = MAX_TREE_NODES + 1

@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.spec_config import SpeculativeConfig
 
 
 class EnvArgumentParser(argparse.ArgumentParser):
@@ -197,3 +201,23 @@ def node_options(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
         "grace_s": args.grace_seconds,
         "tls": tls,
     }
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
+    """The one SpeculativeConfig of a node from its flags (ValueError naming the flag when they
+    disagree). Request defaults (`--num-speculative-tokens`, `--draft-candidates`) are the prefill
+    node's flags and adaptive K (`--adaptive-k`) the decode node's: each takes the flags it has."""
+    from engine.spec_config import SpeculativeConfig
+    from sampling.proposal import DraftLaw
+
+    own = ("num_speculative_tokens", "draft_candidates", "adaptive_k")
+    return SpeculativeConfig(
+        method=args.speculative_method,
+        max_speculative_tokens=args.max_speculative_tokens,
+        draft_law=DraftLaw(args.draft_sampling),
+        max_draft_candidates=args.max_draft_candidates,
+        max_tree_nodes=args.max_tree_nodes,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+        **{name: getattr(args, name) for name in own if hasattr(args, name)},
+    )

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdspec.config import node_options, node_parser, request_limits
+from pdspec.config import node_options, node_parser, request_limits, speculative_config
 from pdspec.logs import setup_logging
 from pdspec.serving import serve_until_signal
 from pdspec.tls import ClientTls, add_client_flags
 from prefill_node.engine import KvTransport, PrefillConfig
 from prefill_node.server import PrefillNodeConfig, run_server
 from protos.proposal import ProposalEncoding
-from sampling.proposal import DraftLaw
 
 
 def build_parser():
@@ -129,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
 
 def engine_config(args) -> PrefillConfig:
     return PrefillConfig(
-        draft_law=DraftLaw(args.draft_sampling),
+        spec=speculative_config(args),
         proposal_encoding=None if args.proposal_encoding == "auto" else ProposalEncoding(args.proposal_encoding),
         compact_encodings=args.compact_encodings,
         kv_streaming=args.kv_streaming,
@@ -137,17 +136,9 @@ def engine_config(args) -> PrefillConfig:
         kv_chunk_bytes=args.kv_chunk_bytes,
         kv_layerwise=args.kv_layerwise,
         kv_transport=KvTransport(args.kv_transport),
-        max_speculative_tokens=args.max_speculative_tokens,
-        num_speculative_tokens=args.num_speculative_tokens,
-        draft_candidates=args.draft_candidates,
-        max_draft_candidates=args.max_draft_candidates,
-        max_tree_nodes=args.max_tree_nodes,
         default_max_new_tokens=args.default_max_new_tokens,
         limits=request_limits(args),
         device=args.device,
-        speculative_method=args.speculative_method,
-        prompt_lookup_min=args.prompt_lookup_min,
-        prompt_lookup_max=args.prompt_lookup_max,
     )
 
 

@@ -23,10 +23,10 @@ import torch
 
 from common.transfer import HostCopy
 from engine.device import on_device
-from engine.options import SPECULATIVE_METHODS
-from engine.prompt_lookup import check_lookup_range
-from engine.proposer import DRAFT, Proposal, Proposer, check_tree_limits
+from engine.proposer import Proposal
+from engine.proposers import proposer_for
 from engine.sequence import Sequence
+from engine.spec_config import SpeculativeConfig
 from models.pair import ModelPair
 from protos import pdspec_pb2
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
@@ -44,7 +44,6 @@ from protos.wire import WireDecodeRequest, kv_manifest
 from sampling import RequestRng, SamplingParams, SamplingTensors, sample_target
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw
-from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ class KvTransport(enum.Enum):
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    draft_law: DraftLaw = DraftLaw.POINT_MASS
+    spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # None: the exact default for the law (POINT_MASS for a point mass, DENSE otherwise)
     proposal_encoding: ProposalEncoding | None = None
     compact_encodings: bool = False  # pick POINT_MASS / SPARSE automatically (smallest exact)
@@ -70,34 +69,18 @@ class PrefillConfig:
     # A streamed KV goes layer by layer while the prefill runs (DecodeStream, proposal last)
     kv_layerwise: bool = False
     kv_transport: KvTransport = KvTransport.GRPC
-    max_speculative_tokens: int = 8  # lowered to the decode peer's when it reports less
-    num_speculative_tokens: int = 4  # K of a request that does not say (clamped to the maximum)
-    draft_candidates: int = 1  # candidates per draft node of a request that does not say (1: chains)
-    max_draft_candidates: int = 4  # lowered to the decode peer's when it reports less
-    max_tree_nodes: int = MAX_TREE_NODES  # likewise
     default_max_new_tokens: int = 64
     max_prefill_tokens: int = 8192  # prompt tokens per prefill step, over all batched requests (chunking)
     limits: RequestLimits = field(default_factory=RequestLimits)
     device: str = "cpu"  # where sampling runs: the models' device
-    speculative_method: str = "draft"  # engine/options.SPECULATIVE_METHODS
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 5
 
     @property
     def encoding(self) -> ProposalEncoding:
         """The encoding this node ships (reported in GetInfo)."""
-        return choose_encoding(self.proposal_encoding, self.draft_law, self.compact_encodings)
+        return choose_encoding(self.proposal_encoding, self.spec.draft_law, self.compact_encodings)
 
     def __post_init__(self) -> None:
-        check_tree_limits(self.max_draft_candidates, self.max_tree_nodes)
-        if self.speculative_method not in SPECULATIVE_METHODS:
-            raise ValueError(
-                f"speculative_method: expected one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}"
-            )
-        check_lookup_range(self.prompt_lookup_min, self.prompt_lookup_max)
-        if not 1 <= self.draft_candidates <= self.max_draft_candidates:
-            raise ValueError(f"draft_candidates: expected 1..{self.max_draft_candidates}, got {self.draft_candidates}")
-        if self.proposal_encoding is ProposalEncoding.POINT_MASS and self.draft_law is not DraftLaw.POINT_MASS:
+        if self.proposal_encoding is ProposalEncoding.POINT_MASS and self.spec.draft_law is not DraftLaw.POINT_MASS:
             raise ValueError(
                 "proposal_encoding: expected dense or sparse for a stochastic draft law "
                 "(POINT_MASS is exact only for point masses), got point-mass"
@@ -155,9 +138,9 @@ class PrefillEngine:
         self.config = config
         self.contract = pair.contract()
         self.fingerprint = self.contract.fingerprint()
-        self.max_speculative_tokens = config.max_speculative_tokens
-        self.proposer = Proposer.for_node(pair, config)
-        self.max_draft_candidates = config.max_draft_candidates if self.trees else 1  # lowered to the peer's
+        self.max_speculative_tokens = config.spec.max_speculative_tokens  # lowered to the peer's
+        self.proposer = proposer_for(pair, config.spec, config.device)
+        self.max_draft_candidates = config.spec.candidates(self.trees)  # lowered to the peer's
         self._lock = threading.Lock()  # one caller runs the models at a time (they need not be thread-safe)
         self._jobs_lock = threading.Lock()
         self._jobs: list[_Job] = []
@@ -217,13 +200,13 @@ class PrefillEngine:
         if request.HasField("num_speculative_tokens"):
             k = request.num_speculative_tokens
         else:
-            k = min(self.config.num_speculative_tokens, self.max_speculative_tokens)
+            k = min(self.config.spec.num_speculative_tokens, self.max_speculative_tokens)
         if not 0 <= k <= self.max_speculative_tokens:
             found.append(Violation("num_speculative_tokens", f"0..{self.max_speculative_tokens}", str(k)))
         if request.HasField("draft_candidates"):
             candidates = request.draft_candidates
         else:
-            candidates = max(1, min(self.config.draft_candidates, self.max_draft_candidates))
+            candidates = max(1, min(self.config.spec.draft_candidates, self.max_draft_candidates))
         if not 1 <= candidates <= self.max_draft_candidates:
             found.append(Violation("draft_candidates", f"1..{self.max_draft_candidates}", str(candidates)))
         if found:
@@ -310,7 +293,7 @@ class PrefillEngine:
             k=checked.k,
             candidates=checked.candidates,
             logprobs=checked.sampling.logprobs,
-            method=self.config.speculative_method,
+            method=self.proposer.method,
         )
 
     def _step(self) -> None:
@@ -524,25 +507,18 @@ class PrefillEngine:
 
     def _propose(self, jobs: list[_Job]) -> list[Proposal]:
         """Each job's proposal after prompt + first token (engine/proposer.py): as deep as its K,
-        or as its prompt-lookup match; the draft model's rows get a draft state over the prompt
-        for the call."""
-        draft = self.pair.draft
+        or as its prompt-lookup match; the proposer's per-request state (a match index, a draft
+        state over the prompt) lives for this call only, made for the rows that may draft."""
         seqs = [job.seq for job in jobs]
-        for seq in seqs:
-            self.proposer.index(seq)
-        plans = self.proposer.plan(seqs, [seq.k for seq in seqs])
-        drafting = [seq for seq, plan in zip(seqs, plans, strict=True) if plan.source == DRAFT and plan.limit]
+        proposer = self.proposer
+        drafting = [seq for seq in seqs if seq.k]
         try:
-            for seq in drafting:
-                seq.draft_state = draft.empty_state()
-                draft.reserve(seq.draft_state, len(seq.history) + self.proposer.max_nodes(seq.k, seq.candidates))
-            if drafting:
-                draft.extend_last([seq.draft_state for seq in drafting], [seq.prompt for seq in drafting])
-            return self.proposer.propose(seqs, plans, [plan.limit for plan in plans])
+            proposer.start(drafting, [len(seq.history) + proposer.max_nodes(seq.k, seq.candidates) for seq in drafting])
+            plans = proposer.plan(seqs, [seq.k for seq in seqs])
+            return proposer.propose(seqs, plans, [plan.limit for plan in plans])
         finally:
-            for seq in drafting:
-                draft.release(seq.draft_state)
-                seq.draft_state = None
+            for seq in seqs:
+                proposer.stop(seq)
 
 
 @dataclass(eq=False)

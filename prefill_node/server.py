@@ -166,24 +166,24 @@ class DecodePeer:
         if problem:
             self._set(False, f"decode peer {self.config.decode_addr} incompatible: {problem}")
             return
-        self.engine.max_speculative_tokens = min(self.engine.config.max_speculative_tokens, info.max_speculative_tokens)
-        if info.max_speculative_tokens < self.engine.config.max_speculative_tokens:
+        spec = self.engine.config.spec
+        self.engine.max_speculative_tokens = min(spec.max_speculative_tokens, info.max_speculative_tokens)
+        if info.max_speculative_tokens < spec.max_speculative_tokens:
             log.info(
                 "decode peer allows K <= %d (prefill's --max-speculative-tokens %d): using %d",
                 info.max_speculative_tokens,
-                self.engine.config.max_speculative_tokens,
+                spec.max_speculative_tokens,
                 self.engine.max_speculative_tokens,
             )
-        own = self.engine.config.max_draft_candidates if self.engine.trees else 1
+        own = spec.candidates(self.engine.trees)
         self.engine.max_draft_candidates = min(own, max(1, info.max_draft_candidates))  # 0: a peer before trees
-        self.engine.max_tree_nodes = min(self.engine.config.max_tree_nodes, info.max_tree_nodes or MAX_TREE_NODES)
-        method = self.engine.config.speculative_method
-        if info.speculative_method and info.speculative_method != method:
+        self.engine.max_tree_nodes = min(spec.max_tree_nodes, info.max_tree_nodes or MAX_TREE_NODES)
+        if info.speculative_method and info.speculative_method != spec.method:
             # Exact too: the decode node verifies whatever it receives, then proposes its own way.
-            log.info("speculative method differs: prefill %s, decode %s", method, info.speculative_method)
-        if info.draft_law and info.draft_law != self.engine.config.draft_law.value:
+            log.info("speculative method differs: prefill %s, decode %s", spec.method, info.speculative_method)
+        if info.draft_law and info.draft_law != spec.draft_law.value:
             # Still exact (every proposal carries its own law), but the two sides draft differently.
-            log.warning("draft law differs: prefill %s, decode %s", self.engine.config.draft_law.value, info.draft_law)
+            log.warning("draft law differs: prefill %s, decode %s", spec.draft_law.value, info.draft_law)
         self._set(True, "")
 
     def _set(self, compatible: bool, problem: str) -> None:
@@ -272,24 +272,18 @@ def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.No
         target_vocab_size=contract.target_vocab_size,
         draft_vocab_size=contract.draft_vocab_size,
         draft_to_target=list(contract.d2t),
-        max_speculative_tokens=config.engine.max_speculative_tokens,
         sampler_backend="",
         device=config.engine.device,
         target_model=contract.target_model,
         draft_model=contract.draft_model,
-        draft_law=config.engine.draft_law.value,
         proposal_encoding=config.engine.encoding.value,
         version=pdspec.__version__,
         max_new_tokens_limit=limits.max_new_tokens,
         max_prompt_tokens=limits.max_prompt_tokens,
         dtype=model_dtype(engine.pair),
         backends=json.dumps(backends(engine.pair)),
-        max_draft_candidates=config.engine.max_draft_candidates if engine.trees else 1,
-        max_tree_nodes=config.engine.max_tree_nodes,
-        speculative_method=config.engine.speculative_method,
-        prompt_lookup_min=config.engine.prompt_lookup_min,
-        prompt_lookup_max=config.engine.prompt_lookup_max,
-        adaptive_k=False,  # the prefill node has no acceptance to adapt to: it proposes K (or the match)
+        # the prefill node has no acceptance to adapt to: it proposes K (or the match)
+        **config.engine.spec.info(engine.trees, adaptive=False),
         kv_pool_bytes=kv_pool_bytes(engine.pair),
     )
 
@@ -304,12 +298,12 @@ def run_server(
         config.models.kv_budget(),
         eager=config.models.enforce_eager,
         attention=config.models.attention_backend,
-        capture=config.models.graph_capture(max_k=config.engine.max_speculative_tokens, decode=False),
+        capture=config.models.graph_capture(max_k=config.engine.spec.max_speculative_tokens, decode=False),
     )
     engine = PrefillEngine(pair, config.engine)
-    rows = max(config.engine.max_speculative_tokens, config.engine.max_tree_nodes if engine.trees else 0)
+    rows = max(config.engine.spec.max_speculative_tokens, config.engine.spec.max_tree_nodes if engine.trees else 0)
     limit = config.max_message_bytes or max_message_bytes(engine.contract, rows, config.engine.limits.max_prompt_tokens)
-    metrics = NodeMetrics("prefill", config.engine.max_speculative_tokens, VALIDATED_FIELDS)
+    metrics = NodeMetrics("prefill", config.engine.spec.max_speculative_tokens, VALIDATED_FIELDS)
     shell = NodeShell(
         SERVICE,
         host=config.host,

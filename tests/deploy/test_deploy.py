@@ -237,7 +237,7 @@ def test_env_variables_configure_the_nodes(monkeypatch):
     monkeypatch.setenv("PDSPEC_PREFILL_DECODE_ADDR", "dns:///decode:50052")
     monkeypatch.setenv("PDSPEC_PREFILL_COMPACT_ENCODINGS", "true")
     decode = decode_args([])
-    assert decode.port == 6000 and decode.engine.draft_law.value == "stochastic"
+    assert decode.port == 6000 and decode.engine.spec.draft_law.value == "stochastic"
     assert decode_args(["--port", "7000"]).port == 7000  # the command line wins
     prefill = prefill_args([])
     assert prefill.decode_addr == "dns:///decode:50052" and prefill.engine.compact_encodings

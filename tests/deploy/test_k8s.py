@@ -203,8 +203,8 @@ def test_env_names_are_real_flags_and_configure_the_ports(rendered, name, capsys
         assert config.metrics_port == port(c, "metrics") == PARSERS[role]([]).metrics_port
         pod = find(docs, "Deployment", f"pdspec-{role}")["spec"]["template"]["spec"]
         assert pod["terminationGracePeriodSeconds"] >= config.grace_s + 10
-        assert config.engine.max_speculative_tokens == int(env[f"PDSPEC_{role.upper()}_MAX_SPECULATIVE_TOKENS"])
-        assert config.engine.speculative_method == "prompt-lookup"  # the fastest exact default (BENCHMARKS.md)
+        assert config.engine.spec.max_speculative_tokens == int(env[f"PDSPEC_{role.upper()}_MAX_SPECULATIVE_TOKENS"])
+        assert config.engine.spec.method == "prompt-lookup"  # the fastest exact default (BENCHMARKS.md)
         if role == "prefill":
             assert port(c, "http") == 8000
             namespace = find(docs, "Deployment", "pdspec-decode")["metadata"]["namespace"]

@@ -11,6 +11,7 @@ import pytest
 
 import engine.adaptive as adaptive
 from engine.adaptive import DECAY, PRIOR, PRIOR_WEIGHT, AdaptiveK, BatchGate, StepCosts
+from engine.spec_config import SpeculativeConfig
 
 LOOKUP, DRAFT = "prompt-lookup", "draft"
 CHEAP = StepCosts((1.0,) * 5)  # a verify of any K costs what a K = 0 step does; prompt lookup drafts for free
@@ -255,9 +256,9 @@ def test_measure_with_busy_work():
 def test_calibrate_measures_a_table_on_the_models(pair, method):
     from decode_node.engine import DecodeConfig, DecodeEngine
 
-    engine = DecodeEngine(pair, DecodeConfig(speculative_method=method, max_speculative_tokens=4))
+    engine = DecodeEngine(pair, DecodeConfig(spec=SpeculativeConfig(method=method, max_speculative_tokens=4)))
     costs = engine.calibrate()
-    assert engine.costs is costs
+    assert engine.policy.costs is costs
     assert len(costs.verify) == 5 and costs.verify[0] == 1.0
     assert list(costs.verify) == sorted(costs.verify)  # non-decreasing
     assert (costs.depth > 0) == (method == "hybrid")  # prompt lookup alone drafts for free
@@ -266,16 +267,16 @@ def test_calibrate_measures_a_table_on_the_models(pair, method):
 def test_calibrate_keeps_a_configured_table_and_skips_without_adaptive_k(pair):
     from decode_node.engine import DecodeConfig, DecodeEngine
 
-    configured = DecodeEngine(pair, DecodeConfig(speculative_method="prompt-lookup", step_costs=COSTLY))
+    configured = DecodeEngine(pair, DecodeConfig(spec=SpeculativeConfig(method="prompt-lookup"), step_costs=COSTLY))
     assert configured.calibrate() is COSTLY
-    default = DecodeEngine(pair, DecodeConfig(speculative_method="prompt-lookup", adaptive_k="off"))
+    default = DecodeEngine(pair, DecodeConfig(spec=SpeculativeConfig(method="prompt-lookup", adaptive_k="off")))
     assert default.calibrate().verify == (1.0,) * 9  # max_speculative_tokens 8: untouched
-    assert not DecodeConfig().adaptive  # the draft model: auto is off
-    assert DecodeConfig(adaptive_k="on").adaptive
-    assert DecodeConfig(speculative_method="hybrid").adaptive
-    assert not DecodeConfig(speculative_method="hybrid", adaptive_k="off").adaptive
+    assert not SpeculativeConfig().adaptive  # the draft model: auto is off
+    assert SpeculativeConfig(adaptive_k="on").adaptive
+    assert SpeculativeConfig(method="hybrid").adaptive
+    assert not SpeculativeConfig(method="hybrid", adaptive_k="off").adaptive
     with pytest.raises(ValueError, match="adaptive_k"):
-        DecodeConfig(adaptive_k="maybe")
+        DecodeConfig(spec=SpeculativeConfig(adaptive_k="maybe"))
 
 
 # -- BatchGate ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 from decode_node.engine import DecodeConfig, DecodeEngine
 from engine.adaptive import StepCosts
 from engine.paged_lm import paged_pair
+from engine.spec_config import SpeculativeConfig
 from models.loader import load_pair
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
@@ -60,22 +61,21 @@ def run(
     `run.computed`: the target positions the decode engine ran. gate: no batch gate ("off":
     adaptive K must not depend on timings here), or one that starts out having measured K = 0
     steps as the faster kind at every batch size ("plain-faster")."""
-    prefill = PrefillEngine(pair, PrefillConfig(speculative_method=method))
+    prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(method=method)))
     config = DecodeConfig(
+        spec=SpeculativeConfig(max_speculative_tokens=4, method=method),
         max_batch=8,
-        max_speculative_tokens=4,
         async_scheduling=scheduling,
-        speculative_method=method,
-        step_costs=StepCosts((1.0, 1.2, 1.3, 1.4, 1.5)),  # fixed: adaptive K must not depend on timings here
+        step_costs=StepCosts((1.0, 1.2, 1.3, 1.4, 1.5)),
     )
     decode = DecodeEngine(pair, config)
     assert decode.config.pipelined == (scheduling == "on")
     if gate == "off":
-        decode.gate = None
+        decode.policy.gate = None
     elif gate == "plain-faster":  # a speculating step 100x a K = 0 one: no acceptance pays for it
         for batch in (2, 4, 8):
             for speculated, seconds in ((True, 100.0), (True, 100.0), (False, 1.0), (False, 1.0)):
-                decode.gate.record(batch, speculated, seconds)
+                decode.policy.gate.record(batch, speculated, seconds)
     receiver = Receiver.from_contract(pair.contract(), 4)
     running = []
     for prefilled in prefill.prefill_many([prefill.check(r) for r in requests]):
@@ -245,7 +245,7 @@ def test_a_failing_step_fails_its_requests_frees_their_blocks_and_the_engine_ser
         return real(*args, **kwargs)
 
     prefill = PrefillEngine(pair, PrefillConfig())
-    config = DecodeConfig(max_batch=8, max_speculative_tokens=4, async_scheduling=scheduling)
+    config = DecodeConfig(spec=SpeculativeConfig(max_speculative_tokens=4), max_batch=8, async_scheduling=scheduling)
     decode = DecodeEngine(pair, config, verifier=Verifier("torch", "cpu", sampler=flaky, check_values=False))
     receiver = Receiver.from_contract(pair.contract(), 4)
 
@@ -280,7 +280,8 @@ def test_calibrate_prices_verifies_against_queued_k0_steps(pair):
     """With async scheduling the start-up table's K = 0 step is a queued one: the table is
     still a sane table, and calibration gives back every KV block it took."""
     engine = DecodeEngine(
-        pair, DecodeConfig(speculative_method="prompt-lookup", async_scheduling="on", max_speculative_tokens=4)
+        pair,
+        DecodeConfig(spec=SpeculativeConfig(method="prompt-lookup", max_speculative_tokens=4), async_scheduling="on"),
     )
     assert engine.pipelined
     costs = engine.calibrate()

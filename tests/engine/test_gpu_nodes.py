@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 from decode_node.engine import DecodeConfig
+from engine.spec_config import SpeculativeConfig
 from models.loader import load_pair
 from prefill_node.engine import PrefillConfig
 from protos import pdspec_pb2
@@ -35,8 +36,8 @@ def gpu_pair(tmp_path_factory):
 def test_greedy_k4_equals_k0_and_seeded_runs_reproduce_in_a_batch(gpu_pair, law):
     with cluster(
         gpu_pair,
-        DecodeConfig(device="cuda", draft_law=law, max_batch=64),
-        PrefillConfig(device="cuda", draft_law=law),
+        DecodeConfig(spec=SpeculativeConfig(draft_law=law), device="cuda", max_batch=64),
+        PrefillConfig(spec=SpeculativeConfig(draft_law=law), device="cuda"),
     ) as (client, _, decode):
         prompt = list(range(3, 20))
         for k in (1, 4):
@@ -62,8 +63,8 @@ def test_prompt_lookup_greedy_equals_k0_on_the_gpu(gpu_pair, method):
     K = 0 tokens, alone and eight at once, and free every KV block."""
     with cluster(
         gpu_pair,
-        DecodeConfig(device="cuda", speculative_method=method, max_batch=16),
-        PrefillConfig(device="cuda", speculative_method=method),
+        DecodeConfig(spec=SpeculativeConfig(method=method), device="cuda", max_batch=16),
+        PrefillConfig(spec=SpeculativeConfig(method=method), device="cuda"),
     ) as (client, _, decode):
         prompts = [[*range(3, 12 + r), *range(3, 12 + r)] for r in range(8)]  # repeated: lookup may match
         plain = [
@@ -117,7 +118,9 @@ def test_start_up_capture_takes_the_graphs_that_the_steps_replay(gpu_pair):
 
     def run(pair, k: int) -> list[list[int]]:
         prefill = PrefillEngine(pair, PrefillConfig(device="cuda"))
-        decode = DecodeEngine(pair, DecodeConfig(device="cuda", max_batch=4, max_speculative_tokens=4))
+        decode = DecodeEngine(
+            pair, DecodeConfig(spec=SpeculativeConfig(max_speculative_tokens=4), device="cuda", max_batch=4)
+        )
         receiver = Receiver.from_contract(pair.contract(), 4)
         requests = [
             pdspec_pb2.GenerateRequest(
@@ -188,8 +191,8 @@ def test_trees_on_the_gpu(gpu_pair, law):
     greedy trees emit the K = 0 tokens, seeded trees reproduce in a batch, no block leaks."""
     with cluster(
         gpu_pair,
-        DecodeConfig(device="cuda", draft_law=law, max_batch=64),
-        PrefillConfig(device="cuda", draft_law=law),
+        DecodeConfig(spec=SpeculativeConfig(draft_law=law), device="cuda", max_batch=64),
+        PrefillConfig(spec=SpeculativeConfig(draft_law=law), device="cuda"),
     ) as (client, _, decode):
         prompt = list(range(3, 20))
         plain = client.generate(prompt_token_ids=prompt, greedy=True, max_new_tokens=24, num_speculative_tokens=0)
@@ -249,9 +252,12 @@ def test_a_decode_step_waits_for_the_gpu_once_per_read(gpu_pair, law, k, sampled
     from protos.validation import Receiver, validate_decode_request
 
     pair = paged_pair(gpu_pair, 64 << 20)
-    prefill = PrefillEngine(pair, PrefillConfig(device="cuda", draft_law=law))
+    prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(draft_law=law), device="cuda"))
     config = DecodeConfig(
-        device="cuda", draft_law=law, max_batch=4, max_speculative_tokens=4, async_scheduling=scheduling
+        spec=SpeculativeConfig(draft_law=law, max_speculative_tokens=4),
+        device="cuda",
+        max_batch=4,
+        async_scheduling=scheduling,
     )
     decode = DecodeEngine(pair, config)
     receiver = Receiver.from_contract(pair.contract(), 4)

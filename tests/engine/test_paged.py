@@ -10,6 +10,7 @@ pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 from engine.kv_cache import KvCacheFull, KvPool, PagedSeq
 from engine.paged_lm import PagedLlamaLM, bytes_per_token, paged_pair
+from engine.spec_config import SpeculativeConfig
 from models.checkpoint import load_hf_llama
 from models.llama import EAGER, layer_skip_draft
 from models.loader import load_pair
@@ -307,8 +308,8 @@ def test_each_node_hands_its_start_up_capture_to_paged_pair(pair, monkeypatch):
     models = ModelSpec(graph_capture_batch=16, graph_capture_context=512, graph_capture_k=(2, 4))
     with cluster(
         pair,
-        DecodeConfig(max_batch=4, max_speculative_tokens=2),
-        PrefillConfig(max_speculative_tokens=2, num_speculative_tokens=2),
+        DecodeConfig(spec=SpeculativeConfig(max_speculative_tokens=2), max_batch=4),
+        PrefillConfig(spec=SpeculativeConfig(max_speculative_tokens=2, num_speculative_tokens=2)),
         decode_node={"models": models},
         models=models,
     ) as (client, _, _):

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from engine.spec_config import SpeculativeConfig
 from models.hf import HFCausalLM, load_d2t_file, load_hf_pair
 from models.loader import load_pair
 from tests.models.hf_fixtures import make_pair_dirs
@@ -116,7 +117,7 @@ def test_hf_pair_through_both_nodes_ships_the_kv_cache(tmp_path):
         token = int(logits.argmax())
         reference.append(token)
         logits = pair.target.extend(state, [token])[-1]
-    with cluster(pair, DecodeConfig(max_speculative_tokens=4)) as (client, _, decode):
+    with cluster(pair, DecodeConfig(spec=SpeculativeConfig(max_speculative_tokens=4))) as (client, _, decode):
         for k in (0, 4):
             out = client.generate(prompt, greedy=True, max_new_tokens=12, num_speculative_tokens=k)
             assert out.token_ids[: len(reference)] == reference[: len(out.token_ids)]

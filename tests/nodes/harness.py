@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from decode_node.engine import DecodeConfig, DecodeEngine
+from engine.spec_config import SpeculativeConfig
 from models.pair import ModelPair
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
@@ -149,17 +150,17 @@ def generate_many_verifiers(
     tree_samplers = tree_samplers or [None] * len(samplers)
     if memoize:
         pair = memoized(pair)
-    prefill = PrefillEngine(pair, PrefillConfig(draft_law=law, device=device))
+    prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(draft_law=law), device=device))
     decodes = [
         DecodeEngine(
             pair,
             DecodeConfig(
-                max_speculative_tokens=max(k, 1),
+                spec=SpeculativeConfig(
+                    max_speculative_tokens=max(k, 1), draft_law=law, max_draft_candidates=candidates
+                ),
                 max_batch=batch,
                 max_queue=len(seeds),
-                draft_law=law,
                 device=device,
-                max_draft_candidates=candidates,
             ),
             verifier=Verifier(backend, device, sampler=sampler, tree_sampler=tree_sampler),
         )

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from decode_node.engine import DecodeConfig
+from engine.spec_config import SpeculativeConfig
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.proposal import ProposalEncoding
@@ -48,7 +49,11 @@ def test_seeded_stochastic_output_is_reproducible(nodes):
     ],
 )
 def test_every_encoding_end_to_end(pair, encoding, law):
-    with cluster(pair, DecodeConfig(draft_law=law), PrefillConfig(draft_law=law, proposal_encoding=encoding)) as (
+    with cluster(
+        pair,
+        DecodeConfig(spec=SpeculativeConfig(draft_law=law)),
+        PrefillConfig(spec=SpeculativeConfig(draft_law=law), proposal_encoding=encoding),
+    ) as (
         client,
         prefill,
         _,

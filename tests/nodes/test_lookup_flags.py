@@ -30,29 +30,29 @@ def parser_error(parse_args, argv, capsys) -> str:
 @pytest.mark.parametrize("node", NODES)
 def test_the_lookup_flags_reach_the_engine_config(node):
     engine = NODES[node](LOOKUP).engine
-    assert (engine.speculative_method, engine.prompt_lookup_min, engine.prompt_lookup_max) == ("prompt-lookup", 3, 6)
+    assert (engine.spec.method, engine.spec.prompt_lookup_min, engine.spec.prompt_lookup_max) == ("prompt-lookup", 3, 6)
 
 
 @pytest.mark.parametrize("node", NODES)
 @pytest.mark.parametrize("method", ["draft", "prompt-lookup", "hybrid"])
 def test_every_method_is_accepted(node, method):
-    assert NODES[node](["--speculative-method", method]).engine.speculative_method == method
+    assert NODES[node](["--speculative-method", method]).engine.spec.method == method
 
 
 @pytest.mark.parametrize("node", NODES)
 def test_the_defaults(node):
     engine = NODES[node]([]).engine
-    assert (engine.speculative_method, engine.prompt_lookup_min, engine.prompt_lookup_max) == ("draft", 2, 5)
+    assert (engine.spec.method, engine.spec.prompt_lookup_min, engine.spec.prompt_lookup_max) == ("draft", 2, 5)
 
 
 def test_adaptive_k_reaches_the_decode_config():
-    assert decode_args([]).engine.adaptive_k == "auto"
-    assert not decode_args([]).engine.adaptive  # auto, with the draft model: off
-    assert decode_args(LOOKUP).engine.adaptive  # auto, with prompt lookup: on
+    assert decode_args([]).engine.spec.adaptive_k == "auto"
+    assert not decode_args([]).engine.spec.adaptive  # auto, with the draft model: off
+    assert decode_args(LOOKUP).engine.spec.adaptive  # auto, with prompt lookup: on
     for value, adaptive in (("on", True), ("off", False)):
         engine = decode_args([*LOOKUP, "--adaptive-k", value]).engine
-        assert engine.adaptive_k == value and engine.adaptive is adaptive
-    assert decode_args(["--adaptive-k", "on"]).engine.adaptive  # on with the draft model too
+        assert engine.spec.adaptive_k == value and engine.spec.adaptive is adaptive
+    assert decode_args(["--adaptive-k", "on"]).engine.spec.adaptive  # on with the draft model too
 
 
 def test_the_environment_sets_the_defaults(monkeypatch):
@@ -60,8 +60,8 @@ def test_the_environment_sets_the_defaults(monkeypatch):
     monkeypatch.setenv("PDSPEC_DECODE_PROMPT_LOOKUP_MAX", "7")
     monkeypatch.setenv("PDSPEC_DECODE_ADAPTIVE_K", "off")
     engine = decode_args([]).engine
-    assert (engine.speculative_method, engine.prompt_lookup_max, engine.adaptive_k) == ("hybrid", 7, "off")
-    assert decode_args(["--speculative-method", "draft"]).engine.speculative_method == "draft"  # the flag wins
+    assert (engine.spec.method, engine.spec.prompt_lookup_max, engine.spec.adaptive_k) == ("hybrid", 7, "off")
+    assert decode_args(["--speculative-method", "draft"]).engine.spec.method == "draft"  # the flag wins
 
 
 @pytest.mark.parametrize("node", NODES)

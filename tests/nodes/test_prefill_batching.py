@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 from engine.paged_lm import bytes_per_token, paged_pair
+from engine.spec_config import SpeculativeConfig
 from models.loader import load_pair
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
@@ -47,7 +48,7 @@ LENGTHS = [5, 40, 17, 90, 3, 33]
 
 def solo_runs(pair) -> list[tuple]:
     """What each of the LENGTHS requests gets alone (one engine, one request at a time)."""
-    engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC))
+    engine = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(draft_law=DraftLaw.STOCHASTIC)))
     return [summary(engine.prefill(engine.check(request(i, n)))) for i, n in enumerate(LENGTHS)]
 
 
@@ -72,7 +73,9 @@ def assert_same(results, solo) -> None:
 def test_concurrent_and_chunked_prefills_equal_solo_runs(pair):
     lengths = LENGTHS
     solo = solo_runs(pair)
-    batched_engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC, max_prefill_tokens=32))
+    batched_engine = PrefillEngine(
+        pair, PrefillConfig(spec=SpeculativeConfig(draft_law=DraftLaw.STOCHASTIC), max_prefill_tokens=32)
+    )
     steps = counted(batched_engine)
     results = [None] * len(lengths)
     barrier = threading.Barrier(len(lengths))
@@ -97,7 +100,9 @@ def test_prefill_many_equals_solo_runs_in_order(pair):
     """One caller's list of requests: batched into shared steps (as the statistical harness
     uses it), each result what the request gets alone, in the list's order."""
     solo = solo_runs(pair)
-    engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC, max_prefill_tokens=64))
+    engine = PrefillEngine(
+        pair, PrefillConfig(spec=SpeculativeConfig(draft_law=DraftLaw.STOCHASTIC), max_prefill_tokens=64)
+    )
     steps = counted(engine)
     batched = engine.prefill_many([engine.check(request(i, n)) for i, n in enumerate(LENGTHS)])
     assert_same([summary(p) for p in batched], solo)
@@ -117,7 +122,7 @@ def test_first_tokens_come_before_the_proposals_and_exports(pair):
     """A step draws the first tokens of the prompts it completes and hands them out; the
     proposals and KV exports are the next step's work, batched, and equal a solo run's."""
     solo = solo_runs(pair)[:2]
-    engine = PrefillEngine(pair, PrefillConfig(draft_law=DraftLaw.STOCHASTIC))
+    engine = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(draft_law=DraftLaw.STOCHASTIC)))
     steps = counted(engine)
     tickets = [engine.submit(engine.check(request(i, n))) for i, n in enumerate(LENGTHS[:2])]
     first = tickets[0].first()

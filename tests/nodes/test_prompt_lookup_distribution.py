@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from decode_node.engine import DecodeConfig, DecodeEngine
 from engine.adaptive import StepCosts
+from engine.spec_config import SpeculativeConfig
 from models.pair import ModelPair
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
@@ -32,7 +33,7 @@ from tests.sampling.helpers import ALPHA
 TOKENS = 3  # the joint law of the first 3 tokens
 K = 4
 PROMPT = list(b"os\nimport ")  # varied continuations; most first tokens occurred in the prompt
-LOOKUP = dict(speculative_method="prompt-lookup", prompt_lookup_min=1, prompt_lookup_max=3)
+LOOKUP = dict(method="prompt-lookup", prompt_lookup_min=1, prompt_lookup_max=3)
 COSTS = StepCosts((1.0, 1.3, 1.5, 1.7, 1.9))  # fixed (no start-up timing): K = 2 at first, 0 after a rejection
 
 
@@ -60,16 +61,14 @@ def generate_lookup(
     nodes proposing by prompt lookup, adaptive K on at the decode node, each request's K cap `k`.
     `batch`: requests per decode step (default: all at once)."""
     seen = Seen()
-    prefill = PrefillEngine(pair, PrefillConfig(**LOOKUP))
+    prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(**LOOKUP)))
     decode = DecodeEngine(
         pair,
         DecodeConfig(
-            max_speculative_tokens=K,
+            spec=SpeculativeConfig(max_speculative_tokens=K, adaptive_k="on", **LOOKUP),
             max_batch=batch or len(seeds),
             max_queue=len(seeds),
-            adaptive_k="on",
             step_costs=COSTS,
-            **LOOKUP,
         ),
         verifier=verifier,
     )

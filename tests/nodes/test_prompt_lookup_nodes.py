@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from decode_node.engine import DecodeConfig
 from engine.adaptive import StepCosts
+from engine.spec_config import SpeculativeConfig
 from pdspec.client import decode_info
 from prefill_node.engine import PrefillConfig
 from tests.nodes.conftest import cluster
@@ -47,9 +48,9 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 def lookup_nodes(request, pair):
     method, lo, hi = request.param
     decode_config = DecodeConfig(
-        speculative_method=method, prompt_lookup_min=lo, prompt_lookup_max=hi, step_costs=COSTS
+        spec=SpeculativeConfig(method=method, prompt_lookup_min=lo, prompt_lookup_max=hi), step_costs=COSTS
     )
-    prefill_config = PrefillConfig(speculative_method=method, prompt_lookup_min=lo, prompt_lookup_max=hi)
+    prefill_config = PrefillConfig(spec=SpeculativeConfig(method=method, prompt_lookup_min=lo, prompt_lookup_max=hi))
     with cluster(pair, decode_config, prefill_config) as (client, prefill, decode):
         yield request.param, client, prefill, decode
 
@@ -182,8 +183,8 @@ def test_without_a_match_hybrid_drafts_with_the_model(lookup_nodes):
 
 def test_adaptive_k_off_drafts_the_whole_match(pair):
     """--adaptive-k off: every step drafts as deep as the match (up to K); still exact."""
-    config = DecodeConfig(speculative_method="prompt-lookup", adaptive_k="off")
-    with cluster(pair, config, PrefillConfig(speculative_method="prompt-lookup")) as (client, _, decode):
+    config = DecodeConfig(spec=SpeculativeConfig(method="prompt-lookup", adaptive_k="off"))
+    with cluster(pair, config, PrefillConfig(spec=SpeculativeConfig(method="prompt-lookup"))) as (client, _, decode):
         assert not decode_info(f"127.0.0.1:{decode.port}").adaptive_k
         for prompt in PROMPTS[:3]:
             spec = client.generate(prompt, greedy=True, max_new_tokens=40, num_speculative_tokens=K)
@@ -196,8 +197,10 @@ def test_adaptive_k_off_drafts_the_whole_match(pair):
 def test_partial_proposals_over_decode_stream(pair, layerwise):
     """The KV over DecodeStream (the proposal in the last chunk when layer by layer): partial
     and empty lookup proposals arrive and verify as in the one-message path."""
-    prefill_config = PrefillConfig(speculative_method="prompt-lookup", kv_streaming=True, kv_layerwise=layerwise)
-    decode_config = DecodeConfig(speculative_method="prompt-lookup", step_costs=COSTS)
+    prefill_config = PrefillConfig(
+        spec=SpeculativeConfig(method="prompt-lookup"), kv_streaming=True, kv_layerwise=layerwise
+    )
+    decode_config = DecodeConfig(spec=SpeculativeConfig(method="prompt-lookup"), step_costs=COSTS)
     with cluster(pair, decode_config, prefill_config) as (client, _, _):
         for prompt in (REPETITIVE, "Zq"):
             spec = client.generate(prompt, greedy=True, max_new_tokens=30, num_speculative_tokens=K)
@@ -212,7 +215,7 @@ def prefilled_proposal(pair, method: str, prompt: bytes, k: int = K, candidates:
     from prefill_node.engine import PrefillEngine
     from protos import pdspec_pb2
 
-    engine = PrefillEngine(pair, PrefillConfig(speculative_method=method))
+    engine = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(method=method)))
     checked = engine.check(
         pdspec_pb2.GenerateRequest(
             prompt_token_ids=list(prompt),

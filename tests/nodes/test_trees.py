@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 from decode_node.engine import DecodeConfig
+from engine.spec_config import SpeculativeConfig
 from models.loader import load_pair
 from prefill_node.engine import PrefillConfig
 from sampling.proposal import DraftLaw
@@ -31,8 +32,8 @@ def nodes(tmp_path_factory):
     law = DraftLaw.STOCHASTIC  # dense laws on the wire; greedy rows draft top-k with one-hot laws
     with cluster(
         pair,
-        DecodeConfig(draft_law=law, max_draft_candidates=4),
-        PrefillConfig(draft_law=law, max_draft_candidates=4),
+        DecodeConfig(spec=SpeculativeConfig(draft_law=law, max_draft_candidates=4)),
+        PrefillConfig(spec=SpeculativeConfig(draft_law=law, max_draft_candidates=4)),
     ) as running:
         yield running
 

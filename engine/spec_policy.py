@@ -1,0 +1,166 @@
+"""The decode scheduler's speculation policy: per step, which rows draft and how deep, whether
+the step can be queued before the one in flight is read (async scheduling), and whether the
+batch gate holds it at K = 0. The scheduler (decode_node/engine.py) asks once per step and
+executes the answer; it names no drafting method.
+
+Per row (`_Row`): its adaptive-K state (engine/adaptive.py: running acceptance per source and
+position, and the K whose expected tokens per unit of cost are highest), and, for a proposer
+that drafts only where the context matches (prompt lookup, `Proposer.match_driven`), whether
+the context had a match worth drafting after its last step (`hit`) and after the one before
+(`may_draft`). Step t may draft only if it had one after step t - 2: that is known before step
+t - 1 is read, so rows without a match pipeline like K = 0 rows.
+
+None of this changes what a row emits: K depends only on the row's own past, never on the
+step's uniforms, so the verifier's output law is unchanged; and the batch gate only holds rows
+whose tokens do not depend on K (point-mass proposals verified by coupling,
+sampling/verifier.py): a seeded row's tokens never depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from engine.adaptive import AdaptiveK, BatchGate, StepCosts
+from engine.proposer import Plan, Proposer
+from engine.sequence import Sequence
+from engine.spec_config import SpeculativeConfig
+
+
+@dataclass
+class _Row:
+    adaptive: AdaptiveK | None  # None: the row drafts its own K every step
+    hit: bool = True  # a match worth drafting after the last step (match-driven proposers)
+    may_draft: bool = True  # the same after the step before
+    gain: float = 1.0  # the tokens the next step expects if it drafts (adaptive K's E(K))
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    """What one synchronous step drafts: row r's plan (None: it drafts nothing of its own, e.g.
+    it verifies what it received) and depth (0: none)."""
+
+    plans: list[Plan | None]
+    depths: list[int]
+
+
+class SpecPolicy:
+    def __init__(self, spec: SpeculativeConfig, proposer: Proposer, costs: StepCosts, pipelined: bool) -> None:
+        self.spec, self.proposer = spec, proposer
+        self.costs = costs  # adaptive K's cost table (engine/adaptive.calibrate at start-up)
+        self.pipelined = pipelined  # async scheduling is on
+        # Whether a batch speculates at all, from its measured steps: match-driven drafts with adaptive K.
+        self.gate = BatchGate() if spec.adaptive and proposer.match_driven else None
+        self._rows: dict[Sequence, _Row] = {}
+        self._gated: tuple[int, bool] | None = None  # (rows, speculated) of this step, when the gate chose it
+
+    # -- rows ---------------------------------------------------------------------------
+    def admit(self, seq: Sequence) -> None:
+        self._rows[seq] = _Row(AdaptiveK(seq.k) if self.spec.adaptive and seq.k else None)
+
+    def forget(self, seq: Sequence) -> None:
+        self._rows.pop(seq, None)
+
+    # -- one step -------------------------------------------------------------------------
+    def hold(self, seqs: list[Sequence], unread: Collection[Sequence]) -> bool:
+        """Whether this step runs at K = 0 (queued, with async scheduling): when every row emits
+        one token anyway (`pipelines`), or when the batch gate holds it there. `unread`: the rows
+        of the step in flight. Only a batch of more than one row with nothing to read back but
+        their tokens is gated; its step is then timed for the gate (`timed`), of either kind. A
+        row on its first step is held by dropping the prefill's proposal (a point mass too):
+        else every request that joins a large batch would make one step of the whole batch
+        speculate."""
+        self._gated = None
+        pipelines = self.pipelines(seqs, unread)
+        gateable = (
+            self.gate is not None
+            and len(seqs) > 1
+            and all(
+                (s.plain or self._rows[s].adaptive is not None)
+                and not s.logprobs
+                and (not s.first_step or s.received.probs is None)
+                for s in seqs
+            )
+        )
+        if not gateable:
+            return pipelines
+        expected = sum(self._gain(s, s in unread) for s in seqs)
+        plain = pipelines or not self.gate.allows(len(seqs), expected)
+        self._gated = (len(seqs), not plain)
+        return plain
+
+    def pipelines(self, seqs: list[Sequence], unread: Collection[Sequence]) -> bool:
+        """Whether this step can be queued before the step in flight (its rows: `unread`) is
+        read: every row emits exactly one token (no drafts: K = 0, or a match-driven row that may
+        not draft now) and needs nothing but its token back (no logprobs)."""
+        if not self.pipelined:
+            return False
+        return all(s.plain or self._idle(s, s in unread) for s in seqs)
+
+    def choose(self, seqs: list[Sequence], hold: bool) -> StepChoice:
+        """A synchronous step's drafting: each row past its first step proposes the K its running
+        acceptance pays for (adaptive K) or its own K; nothing when the step is held (`hold`)."""
+        own = [s for s in seqs if not s.first_step and s.k]
+        caps = [0 if hold or self._idle(s) else s.k for s in own]
+        chosen: dict[Sequence, tuple[Plan, int]] = {}
+        for seq, plan in zip(own, self.proposer.plan(own, caps), strict=True):
+            adaptive = self._rows[seq].adaptive
+            chosen[seq] = plan, plan.limit if adaptive is None else adaptive.choose(plan.source, plan.limit, self.costs)
+        return StepChoice(
+            [chosen[s][0] if s in chosen else None for s in seqs], [chosen[s][1] if s in chosen else 0 for s in seqs]
+        )
+
+    def timed(self, seconds: float) -> None:
+        """The wall time of this step, for the batch gate when it chose the step's kind."""
+        if self._gated is not None:
+            rows, speculated = self._gated
+            self.gate.record(rows, speculated, seconds)
+            self._gated = None
+
+    # -- what a step showed ---------------------------------------------------------------
+    def verified(self, seq: Sequence, source: str | None, depth: int, accepted: int) -> None:
+        """A synchronous step's outcome for a row: `depth` drafts of its own from `source` (None:
+        none of its own, e.g. the prefill's proposal), the first `accepted` accepted."""
+        adaptive = self._rows[seq].adaptive
+        if adaptive is not None:
+            adaptive.observe(source, depth, accepted)
+
+    def ran_plain(self, seq: Sequence) -> None:
+        """A row that may speculate ran a queued K = 0 step."""
+        self.verified(seq, None, 0, 0)
+
+    def advanced(self, seq: Sequence) -> None:
+        """A row's context grew (it goes on): a match-driven row looks for its next match now, so
+        the step after next knows whether it may draft before this one is read."""
+        if self.proposer.match_driven and seq.k:
+            row = self._rows[seq]
+            row.may_draft, row.hit = row.hit, self._hit(seq, row)
+
+    # -- internals ----------------------------------------------------------------------
+    def _gain(self, seq: Sequence, in_flight: bool) -> float:
+        """The tokens a row expects from this step if the batch speculates."""
+        if seq.plain:
+            return 1.0
+        row = self._rows[seq]
+        if seq.first_step:  # the prefill's proposal, at the acceptance the row has shown (its prior)
+            return row.adaptive.expected(self.proposer.method, len(seq.received.token_ids))
+        return 1.0 if self._idle(seq, in_flight) else row.gain
+
+    def _idle(self, seq: Sequence, in_flight: bool = False) -> bool:
+        """A match-driven row whose next step cannot draft, past its first step. The context after
+        the step before the last decides: `hit` while the row's last step is still in flight,
+        `may_draft` once it is read."""
+        if not self.proposer.match_driven or not seq.k or seq.first_step or seq.logprobs:
+            return False
+        row = self._rows[seq]
+        return not (row.hit if in_flight else row.may_draft)
+
+    def _hit(self, seq: Sequence, row: _Row) -> bool:
+        """Whether the context as it is now has a match that adaptive K would draft, and, with
+        async scheduling, one worth the wait for the token in flight (`pays_to_wait`)."""
+        plan = self.proposer.plan([seq], [seq.k])[0]
+        if row.adaptive is None:
+            return plan.limit > 0
+        k = row.adaptive.choose(plan.source, plan.limit, self.costs) if plan.limit else 0
+        row.gain = row.adaptive.expected(plan.source, k)
+        return k > 0 and (not self.pipelined or row.adaptive.pays_to_wait(plan.source, k, self.costs))
