@@ -90,7 +90,8 @@ class RssSampler(threading.Thread):
 
 def _serve(conn, max_tokens: int, device: str = "cpu") -> None:
     """The decode process: gRPC DecodeService + a raw receiver; ports sent back on `conn`."""
-    from decode_node.engine import DecodeConfig, DecodeEngine, Event
+    from decode_node.engine import DecodeConfig, DecodeEngine
+    from decode_node.request import Event
     from decode_node.server import VALIDATED_FIELDS, DecodeServicer, server_options
     from engine.kv_cache import KvPool
     from engine.paged_lm import PagedLlamaLM

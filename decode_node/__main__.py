@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from decode_node.engine import ASYNC_SCHEDULING, DecodeConfig
+from decode_node.engine import DecodeConfig
 from decode_node.server import DecodeNodeConfig, run_server
-from engine.options import ADAPTIVE_K
+from engine.options import ADAPTIVE_K, ASYNC_SCHEDULING
 from pdspec.config import node_options, node_parser, request_limits, speculative_config
 from pdspec.logs import setup_logging
 from pdspec.serving import serve_until_signal

@@ -1,50 +1,42 @@
 """The decode engine: a continuous-batching scheduler over sequences, no gRPC inside.
 
 Each request arrives validated (`protos.validation.DecodeInput`) and becomes a `Sequence`
-(engine/sequence.py: prompt + the prefill's first token, budget, stop rule, K, generator,
-the proposal it came with). Its KV came in the message or arrives after it (DecodeStream,
-shared memory): such a request's target KV is reserved in arrival order, the servicer writes
-the bytes straight into it, and the request is admitted once they are all in. Each engine
-step admits what fits (slots and KV blocks), then runs one step for every active sequence:
-the speculative step of engine/spec_step.py (propose up to the K each sequence's running
-acceptance pays for, engine/adaptive.py; verify in one target forward and one
-rejection-sampling launch; keep the accepted path), or, with async scheduling, a queued K = 0
-step. Emitted tokens go to the request's event queue; the servicer streams them.
-
-Async scheduling (`DecodeConfig.async_scheduling`; on a GPU by default): a step whose rows all
-decode without speculation (K = 0, no logprobs) is queued on the device before the step
-before it is read. Its input tokens are that step's sampled tokens, still on the device; its
-positions and KV slots are known without them (every row gains exactly one token). So the
-host builds step n+1 while the GPU runs step n, and reads step n only then. A row that
-finished in step n (end of sequence, a stop token, a cancel) also ran in step n+1: that token
-is dropped, and its KV is freed once step n+1 is read. A speculating step waits for the step
-before it (`_drain`).
+(engine/sequence.py). Its KV came in the message or arrives after it (DecodeStream, shared
+memory): such a request's target KV is reserved in arrival order, the servicer writes the
+bytes straight into it, and the request is admitted once they are all in. Each step admits
+what fits (slots and KV blocks), asks the speculation policy (engine/spec_policy.py) what to
+run, and runs it for every active sequence: the speculative step of engine/spec_step.py, or,
+with async scheduling (on a GPU by default), a K = 0 step queued before the step before it is
+read (`spec_step.queue_plain`; docs/design.md §9 "Async scheduling"). A row that finished in
+step n also ran in a queued step n+1: that token is dropped, and its KV is freed once step
+n+1 is read. Emitted tokens go to the request's event queue; the servicer streams them.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from common.transfer import Buffer, HostCopy, to_device, to_host_async
+from common.transfer import Buffer
+from decode_node.request import Event, QueueFull, Request
 from engine import spec_step
-from engine.adaptive import StepCosts, calibrate
+from engine.adaptive import StepCosts
 from engine.device import on_device
+from engine.options import ASYNC_SCHEDULING
 from engine.proposer import PREFILL, Proposal, Proposer
 from engine.proposers import proposer_for
-from engine.sequence import Sequence, Stats
+from engine.sequence import Sequence
 from engine.spec_config import SpeculativeConfig
 from engine.spec_policy import SpecPolicy
 from models.base import import_tensors
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from protos.validation import DecodeInput
-from sampling import RequestRng, Verifier
+from sampling import Verifier
 from sampling.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -73,53 +65,12 @@ class DecodeConfig:
         return self.async_scheduling == "on"
 
 
-ASYNC_SCHEDULING = ("auto", "on", "off")
-
-
-class QueueFull(Exception):
-    """The engine holds max_batch + max_queue requests already."""
-
-
-@dataclass(frozen=True)
-class Event:
-    tokens: list[int]
-    finished: bool = False
-    finish_reason: str = ""
-    stats: Stats | None = None
-    error: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked for
-
-
-@dataclass(eq=False)
-class Request:
-    """One in-flight request: the servicer's handle (it reads `events` and may call
-    engine.cancel) on the engine's sequence."""
-
-    input: DecodeInput
-    seq: Sequence
-    kv_need: int  # KV positions it may ever occupy, reserved at admission: it never waits mid-stream
-    # one put per request per step, by the engine thread: SimpleQueue's is C, with no Condition to notify
-    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    arrived: float = field(default_factory=time.monotonic)
-    # Streamed: the KV is not in `input`; the servicer writes it into seq.target_state once
-    # `reserved` is set (DecodeEngine.import_chunk), then calls DecodeEngine.imported.
-    streamed: bool = False
-    reserved: threading.Event = field(default_factory=threading.Event)
-    imported: bool = False
-
-
 @dataclass
 class _InFlight:
-    """An async-scheduled step queued on the device, not yet read."""
+    """An async-scheduled step queued on the device, not yet read: its rows' requests."""
 
     requests: list[Request]
-    tokens: torch.Tensor  # [B] int64 on the device: each row's sampled token, the next step's input
-    copy: HostCopy  # the same tokens on their way to the host
-    slots: list[int]  # where each row's fed token sits in its target state's tokens (UNREAD until read)
-
-
-UNREAD = -1  # a target state's token whose value is still on the device (async scheduling)
+    queued: spec_step.Queued
 
 
 class DecodeEngine:
@@ -152,26 +103,9 @@ class DecodeEngine:
 
     # -- requests -------------------------------------------------------------------
     def sequence(self, decode_input: DecodeInput) -> Sequence:
-        """A request's sequence, every default resolved: prompt + the prefill node's first token,
-        the budget, the stop rule, its K and candidates, its generator and what it drafts with."""
-        config, k = self.config, decode_input.num_speculative_tokens
-        ids = decode_input.draft_token_ids.tolist()
-        parents = decode_input.draft_parents or list(range(-1, len(ids) - 1))
-        received = Proposal(ids, parents, decode_input.draft_probs, PREFILL)  # moved to the device when verified
-        return Sequence(
-            prompt=decode_input.prompt_token_ids,
-            params=decode_input.params,
-            budget=decode_input.max_new_tokens or config.default_max_new_tokens,
-            eos_token_ids=tuple(self.pair.target.eos_token_ids),
-            stop_token_ids=tuple(decode_input.stop_token_ids),
-            rng=RequestRng(decode_input.params.seed, stream="decode"),
-            k=k,
-            candidates=decode_input.draft_candidates,
-            logprobs=decode_input.logprobs,
-            method=self.proposer.method,
-            history=[*decode_input.prompt_token_ids, decode_input.first_token_id],
-            received=received,
-        )
+        """A request's sequence, every default resolved (`Sequence.decoding`)."""
+        eos = self.pair.target.eos_token_ids
+        return Sequence.decoding(decode_input, eos, self.config.default_max_new_tokens, self.proposer.method)
 
     def submit(self, decode_input: DecodeInput, *, streamed: bool = False) -> Request:
         """Queue a request (QueueFull when it can never fit or the queue is full). `streamed`: its
@@ -240,11 +174,6 @@ class DecodeEngine:
         return [*models, ("draft", self.pair.draft)] if self.proposer.uses_draft else models
 
     @property
-    def max_draft_candidates(self) -> int:
-        """Candidates per node this node verifies and drafts."""
-        return self.config.spec.candidates(self.proposer.trees)
-
-    @property
     def pipelined(self) -> bool:
         """Async scheduling is on: configured so, and the target takes its input tokens from the device."""
         return self.config.pipelined and getattr(self.pair.target, "device_tokens", False)
@@ -263,24 +192,11 @@ class DecodeEngine:
         return len(self._pending)
 
     def calibrate(self) -> StepCosts:
-        """Measure adaptive K's cost table on this node's models (`engine/adaptive.calibrate`), as
-        this node runs a K = 0 step (queued, with async scheduling). Start-up only (the engine
-        thread is not running); a no-op without adaptive K or with a table configured."""
-        config, policy = self.config, self.policy
-        if not config.spec.adaptive or config.step_costs is not None:
-            return policy.costs
+        """Measure adaptive K's cost table on this node's models (`SpecPolicy.calibrate`).
+        Start-up only (the engine thread is not running)."""
         draft = self.pair.draft if self.proposer.uses_draft else None
-        with on_device(config.device):
-            policy.costs = calibrate(
-                self.pair.target, draft, self.verifier, config.spec.max_speculative_tokens, self.pipelined
-            )
-        log.info(
-            "adaptive K step costs: verify %s, draft depth %.2f, K = 0 read back %.2f",
-            policy.costs.verify,
-            policy.costs.depth,
-            policy.costs.sync,
-        )
-        return policy.costs
+        with on_device(self.config.device):
+            return self.policy.calibrate(self.pair.target, draft, self.verifier, measure=self.config.step_costs is None)
 
     # -- the loop ---------------------------------------------------------------------
     def start(self) -> None:
@@ -311,13 +227,10 @@ class DecodeEngine:
 
     def step(self, deliver: bool = True) -> None:
         """Admit waiting requests (in arrival order, while slots and KV blocks last), then one
-        speculative step for every active one. Every request that leaves frees its KV.
-
-        deliver=False (the engine's own loop): the step's events stay in the outbox until the
-        next step has queued its GPU work (`_deliver` before its host read), or until no request
-        is running. The stream threads woken by them then run while this thread waits for the
-        GPU, not while it prepares the next step: on an H200 at 32 streams they took the GIL
-        ~1.8 ms per step, on the engine's critical path."""
+        step for every active one. Every request that leaves frees its KV. deliver=False (the
+        engine's own loop): the events stay in the outbox until the next step has queued its GPU
+        work, so the stream threads they wake take the GIL while this thread waits for the GPU
+        (docs/design.md §9 "Host waits per step")."""
         started = time.perf_counter()
         with on_device(self.config.device):
             ran = self._step()
@@ -341,8 +254,8 @@ class DecodeEngine:
         admitted = []
         with self._lock:
             room = self.config.max_batch - len(self._active)
+            # A streamed request takes its KV before it takes a slot: its upload runs while it waits.
             for request in list(self._pending):
-                # A streamed request takes its KV before it takes a slot: its upload runs while it waits.
                 if (len(admitted) >= room and not request.streamed) or not self._claim(request):
                     break  # what is behind it waits its turn
                 if len(admitted) < room and (request.imported or not request.streamed):
@@ -462,40 +375,21 @@ class DecodeEngine:
             self._advance(request, row.emitted, row.logprobs)
 
     def _launch(self, requests: list[Request]) -> None:
-        """Queue a K = 0 step for `requests` (async scheduling), then read the step before it.
-        A row that was in that step feeds its token from the device; a row new to the batch
-        feeds its last history token."""
+        """Queue a K = 0 step for `requests` (async scheduling), then read the step before it."""
         previous = self._inflight
         carried = {} if previous is None else {r: i for i, r in enumerate(previous.requests)}
-        index, fresh = [], []  # row -> its token in cat(the previous step's tokens, the fresh rows' last tokens)
-        for request in requests:
-            if request in carried:
-                index.append(carried[request])
-            else:
-                index.append(len(carried) + len(fresh))
-                fresh.append(request)
-        packed = torch.tensor([*index, *(r.seq.history[-1] for r in fresh)], dtype=torch.int64)  # one copy for both
-        packed = to_device(packed, self.config.device)
-        earlier = previous.tokens if previous is not None else packed[:0]
-        tokens = torch.cat([earlier, packed[len(requests) :]])[packed[: len(requests)]]  # [B] int64
         seqs = [r.seq for r in requests]
         for seq in seqs:
             seq.received = None  # a first step held at K = 0 drops what it received
-        states = [s.target_state for s in seqs]
-        logits = self.pair.target.extend_batch(states, [[UNREAD]] * len(seqs), device_tokens=tokens)  # no tree
-        slots = [len(state.tokens) - 1 for state in states]
-        no_drafts = torch.empty(len(seqs), 0, dtype=torch.int64)
-        result = self.verifier.verify(
-            no_drafts,
-            None,
-            torch.stack(logits).to(self.verifier.device),
-            [s.params for s in seqs],
-            [s.rng for s in seqs],
-            [len(r.seq.history) + (r in carried) for r in requests],  # a carried row's token is still unread
+        queued = spec_step.queue_plain(
+            self.pair.target,
+            self.verifier,
+            seqs,
+            [carried.get(r) for r in requests],
+            None if previous is None else previous.queued.tokens,
+            self.config.device,
         )
-        sampled = result.output_token_ids[:, 0].to(torch.int64)  # [B]: K = 0 emits one token per row
-        # its own stream: not behind a KV export's copies (a prefill node in the same process)
-        self._inflight = _InFlight(requests, sampled, to_host_async(sampled, purpose="tokens"), slots)
+        self._inflight = _InFlight(requests, queued)
         if previous is None:
             self._deliver()  # queued, and no step before to wait for: the streams run now
         else:
@@ -512,8 +406,8 @@ class DecodeEngine:
         streams before the engine's next wait). A row that left meanwhile (finished in the step
         before, or cancelled) drops its token."""
         self._deliver()  # the GPU has the next step queued: the streams take the GIL while the host waits
-        tokens = step.copy.wait().tolist()
-        for request, token, slot in zip(step.requests, tokens, step.slots, strict=True):
+        tokens = step.queued.copy.wait().tolist()
+        for request, token, slot in zip(step.requests, tokens, step.queued.slots, strict=True):
             if request.cancelled.is_set():
                 continue
             seq = request.seq

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import grpc
 
 import pdspec
-from decode_node.engine import DecodeConfig, DecodeEngine, Event, QueueFull, Request
+from decode_node.engine import DecodeConfig, DecodeEngine
+from decode_node.request import Event, QueueFull, Request
 from engine.paged_lm import kv_pool_bytes, paged_pair
 from engine.proposer import PROPOSAL_SOURCES
 from models.pair import ModelPair
@@ -536,7 +537,7 @@ def run_server(
         spec.max_speculative_tokens,
         pair.d2t,
         config.limits,
-        max_draft_candidates=engine.max_draft_candidates,
+        max_draft_candidates=spec.candidates(engine.proposer.trees),
         max_tree_nodes=spec.max_tree_nodes,
         accept_shm_kv=config.accept_shm_kv,
     )

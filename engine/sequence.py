@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from engine.adaptive import AdaptiveK
 from engine.prompt_lookup import ContextIndex
-from engine.proposer import LOOKUP, Proposal
+from engine.proposer import LOOKUP, PREFILL, Proposal
 from models.base import State
+from protos.validation import DecodeInput
 from sampling import RequestRng, SamplingParams
 
 
@@ -116,6 +117,29 @@ class Sequence:
         """K = 0 (so nothing received to verify either) and no logprobs: one token per step and
         nothing else read back, what async scheduling queues without waiting."""
         return not self.k and not self.logprobs
+
+    @classmethod
+    def decoding(cls, decode_input: DecodeInput, eos: Collection[int], default_budget: int, method: str) -> Sequence:
+        """A decode node's sequence of a validated DecodeRequest: prompt + the prefill node's first
+        token, the budget (`default_budget` where the client gave none), the stop rule, its K and
+        candidates, its generator (stream "decode") and the proposal it came with (verified at its
+        first step, its law moved to the device then)."""
+        ids = decode_input.draft_token_ids.tolist()
+        parents = decode_input.draft_parents or list(range(-1, len(ids) - 1))
+        return cls(
+            prompt=decode_input.prompt_token_ids,
+            params=decode_input.params,
+            budget=decode_input.max_new_tokens or default_budget,
+            eos_token_ids=tuple(eos),
+            stop_token_ids=tuple(decode_input.stop_token_ids),
+            rng=RequestRng(decode_input.params.seed, stream="decode"),
+            k=decode_input.num_speculative_tokens,
+            candidates=decode_input.draft_candidates,
+            logprobs=decode_input.logprobs,
+            method=method,
+            history=[*decode_input.prompt_token_ids, decode_input.first_token_id],
+            received=Proposal(ids, parents, decode_input.draft_probs, PREFILL),
+        )
 
     def kv_need(self, proposal_nodes: int) -> int:
         """KV positions it may ever occupy with proposals of up to `proposal_nodes` nodes: prompt,

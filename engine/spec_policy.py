@@ -18,13 +18,18 @@ sampling/verifier.py): a seeded row's tokens never depend on what else is in the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from engine.adaptive import AdaptiveK, BatchGate, StepCosts
+from engine.adaptive import AdaptiveK, BatchGate, StepCosts, calibrate
 from engine.proposer import Plan, Proposer
 from engine.sequence import Sequence
 from engine.spec_config import SpeculativeConfig
+from models.base import CausalLM
+from sampling import Verifier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -109,6 +114,21 @@ class SpecPolicy:
         return StepChoice(
             [chosen[s][0] if s in chosen else None for s in seqs], [chosen[s][1] if s in chosen else 0 for s in seqs]
         )
+
+    def calibrate(self, target: CausalLM, draft: CausalLM | None, verifier: Verifier, measure: bool) -> StepCosts:
+        """Measure adaptive K's cost table on these models (`engine/adaptive.calibrate`), as this
+        node runs a K = 0 step (queued, with async scheduling); a no-op without adaptive K or
+        when not `measure` (a table configured)."""
+        if not self.spec.adaptive or not measure:
+            return self.costs
+        self.costs = calibrate(target, draft, verifier, self.spec.max_speculative_tokens, self.pipelined)
+        log.info(
+            "adaptive K step costs: verify %s, draft depth %.2f, K = 0 read back %.2f",
+            self.costs.verify,
+            self.costs.depth,
+            self.costs.sync,
+        )
+        return self.costs
 
     def timed(self, seconds: float) -> None:
         """The wall time of this step, for the batch gate when it chose the step's kind."""

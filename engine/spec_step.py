@@ -12,6 +12,11 @@
    other node's KV is dropped.
 The scheduler then appends the emitted tokens to the sequences (`Sequence.append`).
 
+`queue_plain` is the K = 0 step of async scheduling: queued on the device before the step
+before it is read, its input tokens that step's sampled tokens, still on the device; its
+positions and KV slots are known without them (every row gains exactly one token), so the host
+builds step n+1 while the device runs step n.
+
 Terms: a row EMITS its accepted drafts plus one token (the correction at the first rejection,
 or the bonus after the last draft); `path` lists the accepted nodes.
 """
@@ -24,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from common.transfer import to_device
+from common.transfer import HostCopy, to_device, to_host_async
 from engine.proposer import NO_PROPOSAL, Plan, Proposal, Proposer
 from engine.sequence import Sequence
 from models.base import CausalLM
@@ -157,3 +162,50 @@ def verify(
             logprobs = token_logprobs(contexts.to(device), torch.tensor(tokens), seq.logprobs)
         out.append(Verified(tokens, path, not seq.params.is_greedy, logprobs))
     return out
+
+
+UNREAD = -1  # a target state's token whose value is still on the device (async scheduling)
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A K = 0 step queued on the device, not yet read."""
+
+    tokens: torch.Tensor  # [B] int64 on the device: each row's sampled token, the next step's input
+    copy: HostCopy  # the same tokens on their way to the host
+    slots: list[int]  # where each row's fed token sits in its target state's tokens (UNREAD until read)
+
+
+def queue_plain(
+    target: CausalLM,
+    verifier: Verifier,
+    seqs: list[Sequence],
+    carried: list[int | None],
+    earlier: torch.Tensor | None,
+    device: torch.device | str,
+) -> Queued:
+    """Queue one K = 0 step of every row, nothing read back. Row r feeds the token the step in
+    flight sampled for it at carried[r] of `earlier` ([B'] int64 on the device), or, new to the
+    batch (None), its last history token."""
+    fresh = [r for r, at in enumerate(carried) if at is None]
+    width = 0 if earlier is None else len(earlier)
+    where = {r: width + i for i, r in enumerate(fresh)}  # row -> its token in cat(earlier, the fresh rows' tokens)
+    index = [where[r] if at is None else at for r, at in enumerate(carried)]
+    packed = torch.tensor([*index, *(seqs[r].history[-1] for r in fresh)], dtype=torch.int64)  # one copy for both
+    packed = to_device(packed, device)
+    earlier = packed[:0] if earlier is None else earlier
+    tokens = torch.cat([earlier, packed[len(seqs) :]])[packed[: len(seqs)]]  # [B] int64
+    states = [s.target_state for s in seqs]
+    logits = target.extend_batch(states, [[UNREAD]] * len(seqs), device_tokens=tokens)  # no tree
+    slots = [len(state.tokens) - 1 for state in states]
+    result = verifier.verify(
+        torch.empty(len(seqs), 0, dtype=torch.int64),  # no drafts
+        None,
+        torch.stack(logits).to(verifier.device),
+        [s.params for s in seqs],
+        [s.rng for s in seqs],
+        [len(s.history) + (at is not None) for s, at in zip(seqs, carried, strict=True)],  # a carried token is unread
+    )
+    sampled = result.output_token_ids[:, 0].to(torch.int64)  # [B]: K = 0 emits one token per row
+    # its own stream: not behind a KV export's copies (a prefill node in the same process)
+    return Queued(sampled, to_host_async(sampled, purpose="tokens"), slots)

@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
-from engine.paged_lm import bytes_per_token, paged_pair
 from engine.draft_model import draft_tokens
+from engine.paged_lm import bytes_per_token, paged_pair
 from engine.proposer import shape_nodes
 from models.loader import load_pair
 from sampling import SamplingParams, SamplingTensors
