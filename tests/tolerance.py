@@ -45,12 +45,19 @@ def bound(want: torch.Tensor, steps: float, dtype: torch.dtype | None = None) ->
 
 
 def assert_fp_close(got: torch.Tensor, want: torch.Tensor, steps: float, dtype: torch.dtype | None = None) -> float:
-    """Assert max |got - want| <= bound(want, steps, dtype); returns the difference."""
+    """Assert max |got - want| <= bound(want, steps, dtype) over the finite entries, and the same
+    non-finite entries (a masked logit is -inf in both); returns the difference."""
     assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
-    diff = float((got.detach().double() - want.detach().double()).abs().max()) if want.numel() else 0.0
-    limit = bound(want, steps, dtype)
+    dtype = dtype or want.dtype
+    got, want = got.detach().double(), want.detach().double()
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite), "non-finite entries differ"
+    assert torch.equal(got[~finite].nan_to_num(), want[~finite].nan_to_num()), "non-finite entries differ"
+    got, want = got[finite], want[finite]
+    diff = float((got - want).abs().max()) if want.numel() else 0.0
+    limit = bound(want, steps, dtype) if want.numel() else 0.0
+    magnitude = float(want.abs().max()) if want.numel() else 0.0
     assert diff <= limit, (
-        f"max |got - want| = {diff:.3e} > {limit:.3e} "
-        f"({steps:.0f} roundings at eps({dtype or want.dtype}), magnitude {float(want.abs().max()):.3g})"
+        f"max |got - want| = {diff:.3e} > {limit:.3e} ({steps:.0f} roundings, magnitude {magnitude:.3g})"
     )
     return diff

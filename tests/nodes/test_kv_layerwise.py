@@ -71,10 +71,11 @@ def test_layer_by_layer_gives_the_tokens_of_the_one_message_path(llama_pair, mon
     assert outs[True] == outs[False] and len(outs[True][0]) > 8  # decoded tokens (this seed samples the end at 11)
     # A request's prefill: the target's forward, then the draft's (none at K = 0); both are
     # extend_last. Layer by layer, the 3 layers' K and V go out during the target's forward;
-    # else after both forwards.
+    # else after both forwards. Then the decode node (same process) admits it: its draft's
+    # forward over the prompt (extend_last too; none at K = 0).
     tensors = [*range(6)]
-    after = ["end", "end", *tensors] * 2 + ["end", *tensors]
-    during = [*tensors, "end", "end"] * 2 + [*tensors, "end"]
+    after = ["end", "end", *tensors, "end"] * 2 + ["end", *tensors]
+    during = [*tensors, "end", "end", "end"] * 2 + [*tensors, "end"]
     assert events == after + during, events
     assert kv[True] == kv[False] == 3 * llama_pair.contract().kv_bytes(len(PROMPT))
     assert computed[True] == computed[False]  # the decode node imported the prompts KV, recomputed none
