@@ -120,6 +120,12 @@ class NodeMetrics:
         self.validation_rejections = Counter(
             "pdspec_validation_rejections", "Rejected requests by offending field", ["node", "field"], registry=reg
         )
+        self.http_requests = Counter(
+            "pdspec_http_requests",
+            "HTTP API requests by route template (other: no route) and HTTP status code, refusals included",
+            ["route", "code"],
+            registry=reg,
+        )
         self.generated_tokens = Counter("pdspec_generated_tokens", "Tokens streamed to clients", ["node"], registry=reg)
         self.prompt_tokens = Counter(
             "pdspec_prompt_tokens", "Prompt tokens of admitted requests", ["node"], registry=reg
