@@ -11,7 +11,9 @@ decode call's cancel - run, and the generator is closed), so the decode slot fre
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
 POST /v1/chat/completions, GET /health. docs/openai.md describes them.
 
-No client input reaches a 500: bodies are checked (types,
+Until the decode peer is compatible the node cannot generate: /v1/* requests wait for it (at
+most `ApiConfig.ready_wait_s`, less when the client says it gives up sooner), then are served,
+or answered 503 with Retry-After. No client input reaches a 500: bodies are checked (types,
 ranges, strings UTF-8 can encode) before any work, and echoed values are clipped. Every HTTP
 request, refused or served, is counted once in pdspec_http_requests_total{route,code}.
 """
@@ -23,6 +25,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import re
 import socket
 import ssl
@@ -54,6 +57,9 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 HEADROOM_THREADS = 16  # requests turned away by admission still need a thread to be told so
 ECHO_CHARS = 64  # client values quoted in error messages are cut to this many characters
 MAX_MESSAGES = 3  # validation errors spelled out in one response (then "and N more")
+RETRY_AFTER_S = 1  # the Retry-After of a 503: the decode peer is re-checked about every second
+# openai-python sends its read timeout; a held request is answered (503) this much before it
+READY_MARGIN_S = 1.0
 OPEN_PATHS = ("/health",)  # need no API key
 
 # pdspec violation fields -> the OpenAI parameter (per endpoint where they differ)
@@ -99,6 +105,8 @@ class OpenAIError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.status == 503:
+            headers["Retry-After"] = str(RETRY_AFTER_S)
         return _AsciiJSON(self.body(), status_code=self.status, headers=headers)
 
 
@@ -550,7 +558,8 @@ def _sse(payload: dict | str) -> str:
 class ApiConfig:
     served_model_name: str | None = None  # default: the target model's name in the contract
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on every path but /health when set
-    max_streams: int = 160
+    max_streams: int = 160  # also the most requests held waiting for the decode peer at once
+    ready_wait_s: float = 30.0  # how long a /v1/* request waits for the decode peer before a 503
 
 
 class OpenAIApi:
@@ -567,11 +576,71 @@ class OpenAIApi:
         self.runs: set[_Run] = set()
         self.tokenizer = service.engine.pair.tokenizer
         self.texts = _TokenTexts(self.tokenizer)
+        self.waiting = 0  # requests held until the decode peer is compatible
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None  # set (on the loop) when the peer's state changes
         self.app = self._build()
         metrics = getattr(service, "metrics", None)
         counter = metrics.http_requests if metrics is not None else None
         # Outermost: every request is counted, the ones the API key or routing refuse included.
         self.asgi = _Counted(self.app, counter)
+
+    def ready(self) -> bool:
+        """Whether the node can generate now: its decode peer answered and is compatible."""
+        return bool(self.service.peer.compatible)
+
+    def peer_changed(self, compatible: bool = True) -> None:
+        """The decode peer's state changed (any thread): held requests look again."""
+        loop, changed = self._loop, self._changed
+        if loop is not None and changed is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed
+                loop.call_soon_threadsafe(changed.set)
+
+    def _not_ready(self, problem: str | None = None) -> OpenAIError:
+        reason = problem or self.service.peer.problem or "the decode peer is not ready"
+        return OpenAIError(503, f"not ready: {reason}; retry later", None, "unavailable")
+
+    async def _until_ready(self, request: Request) -> bool:
+        """True once the node can generate, False when the client left first; held at most
+        `ready_wait_s` (less when the client said, in openai-python's x-stainless-read-timeout,
+        that it gives up sooner), then 503."""
+        if self.ready():
+            return True
+        bound = self.config.ready_wait_s
+        with contextlib.suppress(ValueError):
+            hint = float(request.headers.get("x-stainless-read-timeout", "inf"))
+            if math.isfinite(hint):
+                bound = min(bound, max(0.0, hint - READY_MARGIN_S))
+        if self.waiting >= self.config.max_streams:
+            raise self._not_ready(f"{self.waiting} requests already wait for the decode peer")
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # the first held request (an event belongs to one loop)
+            self._changed, self._loop = asyncio.Event(), loop
+        assert self._changed is not None
+        end = loop.time() + bound
+        self.waiting += 1
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            while not self.ready():
+                remaining = end - loop.time()
+                if remaining <= 0:
+                    raise self._not_ready()
+                self._changed.clear()
+                if self.ready():
+                    break
+                changed = asyncio.ensure_future(self._changed.wait())
+                try:
+                    done, _ = await asyncio.wait(
+                        {changed, watcher}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    changed.cancel()
+                if watcher in done:
+                    return False
+        finally:
+            self.waiting -= 1
+            watcher.cancel()
+        return True
 
     def close(self) -> None:
         """Cancel what still runs and wait for the worker threads."""
@@ -614,11 +683,15 @@ class OpenAIApi:
             return JSONResponse({"status": "unavailable", "reason": peer.problem}, status_code=503)
 
         @app.get("/v1/models")
-        async def models():
+        async def models(request: Request):
+            if not await self._until_ready(request):  # listed only while the node can serve them
+                return Response(status_code=499)
             return {"object": "list", "data": self._models()}
 
         @app.get("/v1/models/{model_id:path}")
-        async def model(model_id: str):
+        async def model(model_id: str, request: Request):
+            if not await self._until_ready(request):
+                return Response(status_code=499)
             for entry in self._models():
                 if entry["id"] == model_id:
                     return entry
@@ -778,6 +851,8 @@ class OpenAIApi:
             wants_logprobs = body.logprobs is not None
         # The chosen token's logprob needs the engine to report at least one alternative.
         engine_logprobs = max(top, 1) if wants_logprobs else 0
+        if not await self._until_ready(request):
+            return Response(status_code=499)
         rid = uuid.uuid4().hex
         shape = _Shape(
             chat=chat,
@@ -968,8 +1043,9 @@ def start_http(
     max_streams: int = 160,
     grace_s: float = 5.0,
     tls=None,
+    ready_wait_s: float = 30.0,
 ) -> HttpServer:
-    api = OpenAIApi(service, ApiConfig(served_model_name, api_key, max_streams))
+    api = OpenAIApi(service, ApiConfig(served_model_name, api_key, max_streams, ready_wait_s))
     try:
         server = HttpServer(api, host, port, grace_s, tls)
     except BaseException:
