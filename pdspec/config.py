@@ -53,7 +53,7 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
     parser.add_flag(
         "--log-stats-seconds", default=10.0, type=float, help="period of the throughput/acceptance summary (0 = off)"
     )
-    parser.add_flag("--host", default="0.0.0.0", help="address to bind")
+    parser.add_flag("--host", default="0.0.0.0", help="address to bind (0.0.0.0: all interfaces; gRPC: [::], IPv6 too)")
     parser.add_flag("--port", default=port, type=int, help="gRPC port (0 = any free port)")
     parser.add_flag("--metrics-port", default=metrics_port, type=int, help="Prometheus /metrics port (-1 = off)")
     parser.add_flag("--corpus", default=None, type=Path, help="built-in pair's corpus (default: Python's stdlib)")

@@ -120,6 +120,12 @@ class NodeMetrics:
         self.validation_rejections = Counter(
             "pdspec_validation_rejections", "Rejected requests by offending field", ["node", "field"], registry=reg
         )
+        self.http_requests = Counter(
+            "pdspec_http_requests",
+            "HTTP API requests by route template (other: no route) and HTTP status code, refusals included",
+            ["route", "code"],
+            registry=reg,
+        )
         self.generated_tokens = Counter("pdspec_generated_tokens", "Tokens streamed to clients", ["node"], registry=reg)
         self.prompt_tokens = Counter(
             "pdspec_prompt_tokens", "Prompt tokens of admitted requests", ["node"], registry=reg
@@ -248,8 +254,8 @@ class MetricsServer:
     An asyncio loop in one daemon thread: idle connections cost a socket, not a thread; a
     request head must arrive within `head_timeout_s` and fit in 8 KiB, at most
     `max_connections` are open at once (more are closed at once), every response closes its
-    connection. GET or HEAD of / or /metrics (any query); the exposition format follows the
-    Accept header (Prometheus text or OpenMetrics)."""
+    connection. GET or HEAD of /metrics (any query; every other path is 404); the exposition
+    format follows the Accept header (Prometheus text or OpenMetrics)."""
 
     def __init__(
         self,
@@ -311,7 +317,7 @@ class MetricsServer:
         path = target.split("?", 1)[0]
         if method not in ("GET", "HEAD"):
             status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET /metrics\n"
-        elif path not in ("/", "/metrics"):
+        elif path != "/metrics":
             status, ctype, body = "404 Not Found", "text/plain", b"GET /metrics\n"
         else:
             encoder, ctype = choose_encoder(accept)

@@ -10,6 +10,12 @@ decode call's cancel - run, and the generator is closed), so the decode slot fre
 
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
 POST /v1/chat/completions, GET /health. docs/openai.md describes them.
+
+Until the decode peer is compatible the node cannot generate: /v1/* requests wait for it (at
+most `ApiConfig.ready_wait_s`, less when the client says it gives up sooner), then are served,
+or answered 503 with Retry-After. No client input reaches a 500: bodies are checked (types,
+ranges, strings UTF-8 can encode) before any work, and echoed values are clipped. Every HTTP
+request, refused or served, is counted once in pdspec_http_requests_total{route,code}.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import contextlib
 import hmac
 import json
 import logging
+import math
+import re
 import socket
 import ssl
 import threading
@@ -33,8 +41,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from models.tokenizer import ByteTokenizer
 from prefill_node.service import GenerationService, RequestFailed
@@ -46,6 +55,12 @@ UINT64_MAX = 2**64 - 1
 Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 HEADROOM_THREADS = 16  # requests turned away by admission still need a thread to be told so
+ECHO_CHARS = 64  # client values quoted in error messages are cut to this many characters
+MAX_MESSAGES = 3  # validation errors spelled out in one response (then "and N more")
+RETRY_AFTER_S = 1  # the Retry-After of a 503: the decode peer is re-checked about every second
+# openai-python sends its read timeout; a held request is answered (503) this much before it
+READY_MARGIN_S = 1.0
+OPEN_PATHS = ("/health",)  # need no API key
 
 # pdspec violation fields -> the OpenAI parameter (per endpoint where they differ)
 _PARAMS = {
@@ -89,8 +104,27 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.status == 503:
+            headers["Retry-After"] = str(RETRY_AFTER_S)
+        return _AsciiJSON(self.body(), status_code=self.status, headers=headers)
+
+
+class _AsciiJSON(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error that quotes a string UTF-8 cannot
+    encode (a lone surrogate) still renders."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def clip(value: object, limit: int = ECHO_CHARS) -> str:
+    """A client's value as error messages quote it: at most `limit` characters (and how many
+    there were), lone surrogates escaped."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text)} characters)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def from_request_failed(err: RequestFailed, chat: bool) -> OpenAIError:
@@ -106,10 +140,16 @@ def from_request_failed(err: RequestFailed, chat: bool) -> OpenAIError:
 
 
 def _validation_error(err: RequestValidationError) -> OpenAIError:
-    """pydantic's errors as one 400 naming the (first) parameter, not FastAPI's 422."""
-    messages, first = [], None
+    """pydantic's errors as one 400 naming the (first) parameter, not FastAPI's 422; a body
+    that is not JSON names no parameter (its loc is the parser's offset)."""
+    messages: dict[str, None] = {}
+    first = None
     for error in err.errors():
         loc = list(error.get("loc", ()))
+        if error.get("type") == "json_invalid":
+            where = f" at byte {loc[1]}" if len(loc) > 1 and isinstance(loc[1], int) else ""
+            reason = clip((error.get("ctx") or {}).get("error", "not JSON"))
+            return OpenAIError(400, f"body: invalid JSON ({reason}{where})", None, "invalid_json")
         if loc and loc[0] == "body":
             loc = loc[1:]
         param = ""
@@ -117,12 +157,49 @@ def _validation_error(err: RequestValidationError) -> OpenAIError:
             if isinstance(part, int):
                 param += f"[{part}]"
             elif i == 0:
-                param = str(part)
+                param = clip(part)
             else:
                 break
         first = first or param or None
-        messages.append(f"{param or 'body'}: {error.get('msg', 'invalid')}")
-    return OpenAIError(400, "; ".join(dict.fromkeys(messages)) or "invalid request body", first, "invalid_parameter")
+        messages[f"{param or 'body'}: {clip(error.get('msg', 'invalid'), 200)}"] = None
+    shown = list(messages)[:MAX_MESSAGES]
+    if len(messages) > MAX_MESSAGES:
+        shown.append(f"and {len(messages) - MAX_MESSAGES} more")
+    return OpenAIError(400, "; ".join(shown) or "invalid request body", first, "invalid_parameter")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(data: Any) -> str | None:
+    """Where in a parsed JSON body (strings and keys, any depth) a string holds a lone UTF-16
+    surrogate (valid JSON, "\\ud800", but not encodable as UTF-8): its path as a parameter
+    (`messages[0].content`), "body" for the body itself, None when there is none."""
+    stack: list[tuple[Any, tuple | None]] = [(data, None)]  # (value, (parent path, part))
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _SURROGATE.search(value):
+                return _path(path)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
+                    return _path(path)
+                stack.append((item, (path, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (path, i)) for i, item in enumerate(value))
+    return None
+
+
+def _path(path: tuple | None) -> str:
+    parts = []
+    while path is not None:
+        path, part = path
+        parts.append(part)
+    text = "body" if not parts or isinstance(parts[-1], int) else ""  # body[0]: a body that is a list
+    for part in reversed(parts):
+        text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else str(part)
+    return clip(text)
 
 
 # ---------------------------------------------------------------------------- request bodies
@@ -135,7 +212,18 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """What both endpoints share; unknown fields are ignored, like OpenAI's own SDK fields."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        """Text the tokenizer and protobuf can encode, anywhere in the body (ignored fields too):
+        400 naming where, before any other check."""
+        where = lone_surrogate(data)
+        if where is not None:
+            message = f"{where}: expected text UTF-8 can encode, got a lone UTF-16 surrogate"
+            raise OpenAIError(400, message, where, "invalid_parameter")
+        return data
 
     model: str | None = None
     temperature: float | None = None
@@ -156,7 +244,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionBody(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Int32] | list[str] | list[list[Int32]]
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     echo: bool = False
@@ -469,8 +557,9 @@ def _sse(payload: dict | str) -> str:
 @dataclass(frozen=True)
 class ApiConfig:
     served_model_name: str | None = None  # default: the target model's name in the contract
-    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/* when set
-    max_streams: int = 160
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on every path but /health when set
+    max_streams: int = 160  # also the most requests held waiting for the decode peer at once
+    ready_wait_s: float = 30.0  # how long a /v1/* request waits for the decode peer before a 503
 
 
 class OpenAIApi:
@@ -487,7 +576,71 @@ class OpenAIApi:
         self.runs: set[_Run] = set()
         self.tokenizer = service.engine.pair.tokenizer
         self.texts = _TokenTexts(self.tokenizer)
+        self.waiting = 0  # requests held until the decode peer is compatible
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None  # set (on the loop) when the peer's state changes
         self.app = self._build()
+        metrics = getattr(service, "metrics", None)
+        counter = metrics.http_requests if metrics is not None else None
+        # Outermost: every request is counted, the ones the API key or routing refuse included.
+        self.asgi = _Counted(self.app, counter)
+
+    def ready(self) -> bool:
+        """Whether the node can generate now: its decode peer answered and is compatible."""
+        return bool(self.service.peer.compatible)
+
+    def peer_changed(self, compatible: bool = True) -> None:
+        """The decode peer's state changed (any thread): held requests look again."""
+        loop, changed = self._loop, self._changed
+        if loop is not None and changed is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed
+                loop.call_soon_threadsafe(changed.set)
+
+    def _not_ready(self, problem: str | None = None) -> OpenAIError:
+        reason = problem or self.service.peer.problem or "the decode peer is not ready"
+        return OpenAIError(503, f"not ready: {reason}; retry later", None, "unavailable")
+
+    async def _until_ready(self, request: Request) -> bool:
+        """True once the node can generate, False when the client left first; held at most
+        `ready_wait_s` (less when the client said, in openai-python's x-stainless-read-timeout,
+        that it gives up sooner), then 503."""
+        if self.ready():
+            return True
+        bound = self.config.ready_wait_s
+        with contextlib.suppress(ValueError):
+            hint = float(request.headers.get("x-stainless-read-timeout", "inf"))
+            if math.isfinite(hint):
+                bound = min(bound, max(0.0, hint - READY_MARGIN_S))
+        if self.waiting >= self.config.max_streams:
+            raise self._not_ready(f"{self.waiting} requests already wait for the decode peer")
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # the first held request (an event belongs to one loop)
+            self._changed, self._loop = asyncio.Event(), loop
+        assert self._changed is not None
+        end = loop.time() + bound
+        self.waiting += 1
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            while not self.ready():
+                remaining = end - loop.time()
+                if remaining <= 0:
+                    raise self._not_ready()
+                self._changed.clear()
+                if self.ready():
+                    break
+                changed = asyncio.ensure_future(self._changed.wait())
+                try:
+                    done, _ = await asyncio.wait(
+                        {changed, watcher}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    changed.cancel()
+                if watcher in done:
+                    return False
+        finally:
+            self.waiting -= 1
+            watcher.cancel()
+        return True
 
     def close(self) -> None:
         """Cancel what still runs and wait for the worker threads."""
@@ -510,8 +663,17 @@ class OpenAIApi:
 
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request: Request, err: StarletteHTTPException):
+            if err.status_code == 400:  # FastAPI's: a body its JSON parser gave up on (nested too deep)
+                message = f"body: invalid JSON ({clip(err.detail, 200)})"
+                return OpenAIError(400, message, None, "invalid_json").response()
             code = "not_found" if err.status_code == 404 else None
-            return OpenAIError(err.status_code, str(err.detail), None, code).response()
+            return OpenAIError(err.status_code, clip(err.detail, 200), None, code).response()
+
+        @app.exception_handler(Exception)
+        async def _unexpected(request: Request, err: Exception):
+            """The last resort (a bug, never a client's input): logged, counted as a 500."""
+            log.error("HTTP %s %s failed", request.method, clip(request.url.path), exc_info=err)
+            return OpenAIError(500, f"internal error ({type(err).__name__}); see the node's log").response()
 
         @app.get("/health")
         async def health():
@@ -521,11 +683,15 @@ class OpenAIApi:
             return JSONResponse({"status": "unavailable", "reason": peer.problem}, status_code=503)
 
         @app.get("/v1/models")
-        async def models():
+        async def models(request: Request):
+            if not await self._until_ready(request):  # listed only while the node can serve them
+                return Response(status_code=499)
             return {"object": "list", "data": self._models()}
 
         @app.get("/v1/models/{model_id:path}")
-        async def model(model_id: str):
+        async def model(model_id: str, request: Request):
+            if not await self._until_ready(request):
+                return Response(status_code=499)
             for entry in self._models():
                 if entry["id"] == model_id:
                     return entry
@@ -558,7 +724,7 @@ class OpenAIApi:
         if name == self.draft_model:
             message = f"model {name!r} is the draft of {self.model!r}: request {self.model!r}"
         else:
-            message = f"model {name!r} does not exist: this server serves {self.model!r}"
+            message = f"model '{clip(name)}' does not exist: this server serves {self.model!r}"
         return OpenAIError(404, message, "model", "model_not_found")
 
     # -- translation
@@ -568,7 +734,7 @@ class OpenAIApi:
         if body.model is not None and body.model != self.model:
             raise self._unknown_model(body.model)
         if body.n != 1:
-            raise OpenAIError(400, f"n: expected 1 (one choice per request), got {body.n}", "n", "unsupported")
+            raise OpenAIError(400, f"n: expected 1 (one choice per request), got {clip(body.n)}", "n", "unsupported")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(body, name):
                 raise OpenAIError(400, f"{name}: expected 0 or unset (not supported)", name, "unsupported")
@@ -579,7 +745,7 @@ class OpenAIApi:
             if body.echo:
                 raise OpenAIError(400, "echo: expected false (not supported)", "echo", "unsupported")
             if body.best_of not in (None, 1):
-                raise OpenAIError(400, f"best_of: expected 1, got {body.best_of}", "best_of", "unsupported")
+                raise OpenAIError(400, f"best_of: expected 1, got {clip(body.best_of)}", "best_of", "unsupported")
             if body.suffix:
                 raise OpenAIError(400, "suffix: not supported", "suffix", "unsupported")
             if _is_batch(body.prompt) and len(body.prompt) != 1:
@@ -588,7 +754,7 @@ class OpenAIApi:
         elif body.tools:
             raise OpenAIError(400, "tools: not supported (no function calling)", "tools", "unsupported")
         elif body.response_format and body.response_format.get("type", "text") != "text":
-            message = f"response_format: expected type text, got {body.response_format.get('type')!r}"
+            message = f"response_format: expected type text, got {clip(repr(body.response_format.get('type')))}"
             raise OpenAIError(400, message, "response_format", "unsupported")
         elif body.max_tokens and body.max_completion_tokens and body.max_tokens != body.max_completion_tokens:
             message = "max_tokens / max_completion_tokens: expected one, or equal values"
@@ -633,7 +799,8 @@ class OpenAIApi:
             try:
                 text = template(messages)
             except Exception as err:  # a template that raises on these messages (jinja2 errors)
-                raise OpenAIError(400, f"messages: the chat template failed: {err}", "messages") from err
+                message = f"messages: the chat template failed: {clip(err, 200)}"
+                raise OpenAIError(400, message, "messages") from err
             return self.tokenizer.encode(text)
         assert isinstance(body, CompletionBody)
         prompt = body.prompt
@@ -684,6 +851,8 @@ class OpenAIApi:
             wants_logprobs = body.logprobs is not None
         # The chosen token's logprob needs the engine to report at least one alternative.
         engine_logprobs = max(top, 1) if wants_logprobs else 0
+        if not await self._until_ready(request):
+            return Response(status_code=499)
         rid = uuid.uuid4().hex
         shape = _Shape(
             chat=chat,
@@ -745,20 +914,64 @@ class OpenAIApi:
 
 
 class _ApiKey:
-    """`Authorization: Bearer <key>` on /v1/* (pure ASGI: streams and disconnects pass untouched)."""
+    """`Authorization: Bearer <key>` on every path but /health: /v1/*, /openapi.json, unknown
+    paths (pure ASGI: streams and disconnects pass untouched)."""
 
     def __init__(self, app, key: str) -> None:
         self.app = app
         self.expected = f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 message = "invalid API key" if given else "missing API key: send Authorization: Bearer <key>"
                 await OpenAIError(401, message, None, "invalid_api_key").response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _Counted:
+    """pdspec_http_requests_total{route, code}: every HTTP request once, with the status it was
+    answered (route: the matched route's template, "other" for a path no route has; 499 for
+    a request that ended without a response). Outside every other layer of the app, so the
+    refusals of the API key, the router and validation count too."""
+
+    def __init__(self, app: FastAPI, counter) -> None:
+        self.app, self.counter = app, counter
+
+    def route(self, scope) -> str:
+        for route in self.app.router.routes:
+            match, _ = route.matches(scope)
+            if match is not Match.NONE:  # PARTIAL: the path, another method (405)
+                return getattr(route, "path_format", None) or getattr(route, "path", "other")
+        return "other"
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.counter is None:
+            await self.app(scope, receive, send)
+            return
+        route, status = self.route(scope), None
+
+        async def counted(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start" and status is None:
+                status = message["status"]
+                self.counter.labels(route, str(status)).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            # Answered (and logged) by the app's last-resort handler, which Starlette re-raises
+            # after; else nothing answered it yet.
+            if status is None:
+                log.exception("HTTP %s %s failed", scope.get("method"), clip(scope.get("path", "")))
+                with contextlib.suppress(Exception):  # the client may be gone
+                    await OpenAIError(500, "internal error; see the node's log").response()(scope, receive, counted)
+        finally:
+            if status is None:
+                self.counter.labels(route, "499").inc()
 
 
 # ---------------------------------------------------------------------------- the server thread
@@ -777,7 +990,7 @@ class HttpServer:
         self.port = self.socket.getsockname()[1]
         self.grace_s = grace_s
         config = uvicorn.Config(
-            api.app,
+            api.asgi,
             log_config=None,  # the node's logging, not uvicorn's
             access_log=False,
             lifespan="off",
@@ -830,8 +1043,9 @@ def start_http(
     max_streams: int = 160,
     grace_s: float = 5.0,
     tls=None,
+    ready_wait_s: float = 30.0,
 ) -> HttpServer:
-    api = OpenAIApi(service, ApiConfig(served_model_name, api_key, max_streams))
+    api = OpenAIApi(service, ApiConfig(served_model_name, api_key, max_streams, ready_wait_s))
     try:
         server = HttpServer(api, host, port, grace_s, tls)
     except BaseException:

@@ -92,6 +92,7 @@ class PrefillNodeConfig:
     tls: ServerTls | None = None  # gRPC and HTTP API over TLS; with its `ca`, mTLS on both
     decode_tls: ClientTls | None = None  # how to dial the decode node(s): None = plaintext
     decode_stall_s: float = 3.0  # a relayed decode stream silent this long is cancelled (0 = off)
+    http_ready_wait_s: float = 30.0  # an HTTP /v1/* request waits this long for a compatible peer, then 503
 
 
 class DecodePeer:
@@ -260,6 +261,7 @@ class RunningPrefillNode:
     service: GenerationService
     shell: NodeShell
     http_port: int | None = None  # the OpenAI API's port, None when off
+    http: object | None = None  # its prefill_node.http.HttpServer (`.api`: the OpenAIApi), None when off
 
 
 def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.NodeInfo:
@@ -316,7 +318,8 @@ def run_server(
             ServiceGuard(SERVICE, lambda code: metrics.finish_request(time.monotonic(), code), config.api_key)
         ],
     )
-    peer = DecodePeer(config, engine, shell.set_serving, limit)
+    listeners: list[Callable[[bool], None]] = [shell.set_serving]  # told when the peer's state changes
+    peer = DecodePeer(config, engine, lambda compatible: [tell(compatible) for tell in listeners], limit)
     watchdog = StallWatchdog(config.decode_stall_s, lambda: peer.suspect("a decode stream stalled"))
     service = GenerationService(engine, peer, metrics, config.max_streams, watchdog)
     info = node_info(engine, config)
@@ -331,12 +334,11 @@ def run_server(
     )
     metrics.running.labels("prefill").set_function(lambda: service.in_flight)
     pdspec_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(service, info), shell.server)
-    shell.start()
     summary = SummaryLogger(metrics, config.log_stats_s)
-    summary.start()
-    peer.start()
-    http = None
-    try:
+    with contextlib.ExitStack() as stack:
+        # The HTTP API listens first: a client that saw the node SERVING (gRPC health or
+        # /health, both SERVING only once the peer started below is compatible) finds it open.
+        http = None
         if config.http_port is not None and config.http_port >= 0:
             from prefill_node.http import start_http
 
@@ -349,9 +351,21 @@ def run_server(
                 max_streams=config.max_streams,
                 grace_s=config.grace_s,
                 tls=config.tls,
+                ready_wait_s=config.http_ready_wait_s,
             )
+            stack.callback(http.stop)  # when a later start fails (a no-op after the stop below)
+            listeners.append(http.api.peer_changed)  # requests held for the peer look again
             scheme = "http" if config.tls is None else "https"
             log.info("OpenAI-compatible API on %s://%s:%d/v1", scheme, config.host, http.port)
+        peer.start()
+        stack.callback(peer.stop)
+        stack.callback(watchdog.stop)
+        shell.start()
+        stack.callback(shell.stop, config.grace_s)
+        summary.start()
+        stack.callback(summary.stop)
+        if http is not None:
+            stack.callback(http.stop)  # first out: its streams still need the decode peer while they drain
         log.info(
             "prefill node on %s:%d (%s), decode peer %s (%s)",
             config.host,
@@ -370,11 +384,5 @@ def run_server(
             service,
             shell,
             http.port if http else None,
+            http,
         )
-    finally:
-        if http is not None:
-            http.stop()  # first: its streams still need the decode peer while they drain
-        summary.stop()
-        shell.stop(config.grace_s)
-        watchdog.stop()
-        peer.stop()

@@ -239,13 +239,20 @@ def test_busy_decode_node_is_429_and_a_down_peer_is_503(pair):
             assert err.value.status_code == 429 and err.value.body["type"] == "rate_limit_error"
         wait_until(lambda: decode.engine.load == 0, timeout=2, what="slot freed by the disconnect")
     config = PrefillNodeConfig(
-        decode_addr="127.0.0.1:1", host="127.0.0.1", port=0, metrics_port=None, peer_check_s=0.1, http_port=0
+        decode_addr="127.0.0.1:1",
+        host="127.0.0.1",
+        port=0,
+        metrics_port=None,
+        peer_check_s=0.1,
+        http_port=0,
+        http_ready_wait_s=0.2,  # held that long for the peer, then 503 (test_http_readiness.py)
     )
     with run_prefill(config, lambda: pair) as prefill:
         assert httpx.get(f"http://127.0.0.1:{prefill.http_port}/health").status_code == 503
         with pytest.raises(openai.APIStatusError) as err:
             client_for(prefill.http_port).completions.create(model=None, prompt="x", max_tokens=2)
         assert err.value.status_code == 503 and "unreachable" in err.value.body["message"]
+        assert err.value.response.headers["retry-after"] == "1"
 
 
 # ---------------------------------------------------------------------------- disconnects
