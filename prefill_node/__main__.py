@@ -62,6 +62,12 @@ def build_parser():
         help="candidates per draft node of a request that does not set it (1 = a chain; trees verified exactly)",
     )
     parser.add_flag(
+        "--http-ready-wait-seconds",
+        default=30.0,
+        type=float,
+        help="how long an HTTP API request waits for a compatible decode peer before a 503 with Retry-After",
+    )
+    parser.add_flag(
         "--max-streams", default=160, type=int, help="concurrent Generate streams (then RESOURCE_EXHAUSTED)"
     )
     parser.add_flag(
@@ -122,6 +128,7 @@ def parse_args(argv: list[str] | None = None) -> PrefillNodeConfig:
         api_key=api_key or None,
         decode_tls=decode_tls,
         decode_stall_s=args.decode_stall_seconds,
+        http_ready_wait_s=args.http_ready_wait_seconds,
         **node_options(args, parser),
     )
 
