@@ -169,7 +169,7 @@ class DecodeEngine:
             self._lock.notify()
 
     def _kv_models(self) -> list[tuple[str, object]]:
-        """The models that hold KV for a request (no draft KV where only prompt lookup drafts)."""
+        """The models that hold KV for a request (no draft KV where the proposer uses no draft model)."""
         models = [("target", self.pair.target)]
         return [*models, ("draft", self.pair.draft)] if self.proposer.uses_draft else models
 
