@@ -364,10 +364,6 @@ class Reader:
     def cancel(self) -> None:
         self.call.cancel()
 
-    def join(self, timeout: float = 30) -> Stream:
-        self.thread.join(timeout)
-        return self.stream
-
 
 def drain(call) -> grpc.StatusCode:
     """A response stream of any message type read to its end: the status it ended with."""
