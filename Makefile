@@ -7,7 +7,8 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: install proto run run-builtin up up-local train-draft test test-slow test-gpu sanitize-gpu bench bench-gpu lint clean
+.PHONY: install proto run run-builtin up up-local train-draft test test-slow test-gpu sanitize-gpu bench bench-gpu \
+	gpu-prep gpu-stash gpu-check lint clean
 
 $(STAMP): pyproject.toml deploy/install.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +65,26 @@ bench-gpu: $(STAMP)
 	$(PY) bench/decode_step.py --batches 1,8,32,64
 	$(PY) bench/attention.py
 	$(PY) bench/step_kernels.py
+
+# One GPU machine without a network (bench/gpu_check.py's docstring has the two calls): the core
+# GPU tests and the standard GPU benchmarks under per-step budgets, into one results file. Not
+# through the venv: that machine's python3 has CUDA torch and CuPy, and what it lacks travels as
+# wheels in .whl/, installed into GPU_SITE. `make gpu-prep` (here; BASE=<rev>: a baseline tree
+# too) downloads them and splits SmolLM2's GGUF in two for the two calls; `make gpu-stash` is
+# call 1 there, `make gpu-check GPU_CHECK_FLAGS="--out $OUT"` call 2.
+GPU_PY ?= python3
+GPU_SITE ?= /tmp/site
+GPU_CHECK_FLAGS ?=
+gpu-prep: $(STAMP)
+	$(PY) bench/gpu_check.py --prep $(if $(BASE),--base $(BASE))
+
+gpu-stash:
+	$(GPU_PY) bench/gpu_check.py --stash
+
+gpu-check:
+	if [ -d .whl ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+		--upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) bench/gpu_check.py $(GPU_CHECK_FLAGS)
 
 # Distil a 2-layer draft of SmolLM2-135M-Instruct from its own generations (CPU; DEVICE=cuda on a
 # GPU). The weights land in .drafts/, are never committed, and nothing in the repository needs them.

@@ -20,7 +20,7 @@ A random model's EOS is an arbitrary id: it is switched off, so every request ru
 Random weights give near-flat logits whose argmax bf16 rounding flips: `chained_logits` makes
 the greedy continuation a permutation chain with a wide margin instead (same shapes, same bytes).
 
-The random-weight Llama of a real shape (bench/gpu_e2e.py: bf16 on a GPU) in the real prefill
+The random-weight Llama of a real shape (bench/harness.py's SHAPES: bf16 on a GPU) in the real prefill
 and decode engines, in process (no gRPC). Per batch size the requests are prefilled once, at
 K = 0 (the prefill node's drafts would be its draft model's, not the oracle's), and every run
 decodes them anew with the K it asks for, adaptive K off. Each K runs once untimed first (its
@@ -38,7 +38,6 @@ output equals the K = 0 continuation. Writes bench/results/acceptance-*.json (no
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -51,20 +50,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
-from bench.gpu_e2e import random_model, sync
+from bench.harness import dtype_for, environment, markdown_table, random_model, random_pair, report, sync
 from decode_node.engine import DecodeConfig, DecodeEngine
 from engine.paged_lm import bytes_per_token, paged_pair, pool_bytes_for
 from engine.proposer import DRAFT, NO_PROPOSAL, Plan, Proposal, Proposer, Row
 from engine.sequence import Stats
 from engine.spec_config import SpeculativeConfig
-from models.llama import layer_skip_draft
 from models.pair import ModelPair
-from models.tokenizer import ByteTokenizer
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
 from protos.validation import DecodeInput, Receiver, validate_decode_request
-from sampling import DraftToTargetMap
 from sampling.tree import MAX_TREE_NODES
 
 SIGMAS = 4.5  # how far the per-draft acceptance may be from α, in binomial standard deviations
@@ -76,8 +71,7 @@ class OracleProposer:
     masses (law None), chains. Rows are found by their prompt (`continuations`: prompt -> every
     token generated after it, the prefill node's first included; prompts of one length). The
     coin flips come from one generator seeded per run: a run is reproducible. Greedy rows only.
-    A benchmark's tool (the `Proposer` protocol): no serving option selects it. No draft model:
-    no per-request state, no draft KV."""
+    A benchmark's tool (the `Proposer` protocol): no serving option selects it."""
 
     method, trees, max_tree_nodes, uses_draft, match_driven = "oracle", False, MAX_TREE_NODES, False, False
 
@@ -93,7 +87,7 @@ class OracleProposer:
         self.generator = torch.Generator().manual_seed(seed)
 
     def start(self, rows: Sequence[Row], kv_needs: Sequence[int]) -> None:
-        pass
+        pass  # no draft model: no per-request state, no draft KV
 
     def stop(self, row: Row) -> None:
         pass
@@ -353,7 +347,7 @@ def ints(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shape", default="llama3-8b", help="a shape of bench/gpu_e2e.py's table")
+    parser.add_argument("--shape", default="llama3-8b", help="a shape of bench/harness.py's SHAPES")
     parser.add_argument("--alphas", type=floats, default=[0.5, 0.7, 0.8, 0.9], help="acceptance rates, 0..1")
     parser.add_argument("--ks", type=ints, default=[4], help="drafts per step (K = 0 always runs too)")
     parser.add_argument("--batches", type=ints, default=[1, 16])
@@ -378,13 +372,13 @@ def main() -> None:
     if args.new_tokens < 3:  # the prefill node's token, the admitting step's, then at least one timed
         parser.error(f"--new-tokens: expected >= 3, got {args.new_tokens}")
     device = args.device
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    dtype = dtype_for(device)
     torch.manual_seed(args.seed)
     target = random_model(args.shape, device, dtype)
     chained_logits(target.module, args.seed)
     target.eos_token_ids = ()  # random weights: EOS is an arbitrary id, and every run should do the same work
     # The pair's draft is never run (the oracle drafts, K = 0 runs draft nothing): one layer, a small pool.
-    raw = ModelPair(target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer())
+    raw = random_pair(target)
     longest = args.prompt_tokens + args.new_tokens + max(args.ks) + 1  # a request's KV
     tokens = pool_bytes_for(raw.target, max(args.batches), longest) // bytes_per_token(raw.target)
     pair = paged_pair(raw, tokens * (bytes_per_token(raw.target) + bytes_per_token(raw.draft)))
@@ -406,11 +400,7 @@ def main() -> None:
         f" + {args.new_tokens} new tokens, median of {args.repeat})"
     )
     text = f"{title}\n\n{markdown_table(HEADER, table)}"
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    if not args.smoke:
-        print("wrote", write_results("acceptance", env, rows, text))
+    report("acceptance", env, rows, text, keep=not args.smoke, json_path=args.json)
 
 
 if __name__ == "__main__":

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
+from bench.harness import environment, markdown_table, median_time, report
 from engine.kv_cache import KvPool, PagedBatch, PagedSeq, batch_meta
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
@@ -60,20 +58,7 @@ def timed(fn, device: str, repeat: int) -> float:
         else:
             fn = graph.replay
             fn()
-    times = []
-    for _ in range(repeat):
-        if device == "cpu":
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        else:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return median_time(fn, repeat, warmup=0, events=device != "cpu")
 
 
 class Case:
@@ -233,9 +218,7 @@ def main() -> None:
         "SDPA contiguous ms",
     ]
     text = markdown_table(header, table)
-    print(text)
-    if not args.smoke:
-        print("wrote", write_results(args.name, environment(), rows, text))
+    report(args.name, environment(), rows, text, keep=not args.smoke)
 
 
 if __name__ == "__main__":

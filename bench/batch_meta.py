@@ -43,11 +43,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default=str(HERE))
     args = parser.parse_args()
-    sys.path.insert(0, args.root)
-    sys.path.insert(1, str(HERE))
+    sys.path.insert(0, str(HERE))
     import torch
 
-    from bench.common import environment, markdown_table, write_results
+    from bench.harness import environment, markdown_table, report  # this checkout's: it imports no engine
+
+    sys.path.insert(0, args.root)
     from engine.kv_cache import KvPool, PagedSeq, batch_meta  # the --root checkout's
 
     torch.set_num_threads(1)
@@ -61,9 +62,7 @@ def main() -> None:
     env = environment()
     env["root"] = args.root
     text = markdown_table(["rows", "queries per row", "context", "eager µs", "graph refill µs"], table)
-    print(text)
-    name = "batch_meta" if Path(args.root).resolve() == HERE else "batch_meta-baseline"
-    print("wrote", write_results(name, env, rows, text))
+    report("batch_meta" if Path(args.root).resolve() == HERE else "batch_meta-baseline", env, rows, text)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,13 @@
 The decode engine alone (no gRPC): `--batches` greedy requests with a 256-token context,
 prefilled by the real prefill engine, decoded by the real DecodeEngine (K draft tokens per
 step from the 1-layer layer-skip draft of the random-weight checkpoint). Per configuration:
-* the weight-bytes floor (the target's weights / the copy bandwidth, bench/gpu_e2e.py) against
+* the weight-bytes floor (the target's weights / the copy bandwidth, as bench/gpu_e2e.py's) against
   the K = 0 step;
 * the wall time of one engine step: the median time between consecutive `step()` returns in a
   run of steps (each step reads its tokens, or with async scheduling the step before's: a
   steady period, no synchronize in between that would drain the pipeline), for each
   `--scheduling` (the decode engine's async_scheduling: off, on) in the same run;
-* the target forward alone at the same batch and width (bench/gpu_e2e.step_rows: the graph
+* the target forward alone at the same batch and width (bench/harness.step_rows: the graph
   replay on a GPU), so step - forward is what the engine adds: drafting, sampling, the
   rejection kernel, metadata, bookkeeping;
 * the device time and count of the kernels of a step (torch.profiler, CUDA only);
@@ -36,18 +36,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
-from bench.gpu_e2e import copy_bandwidth, paged, random_model, step_rows, sync, weight_bytes
+from bench.harness import (
+    copy_bandwidth,
+    environment,
+    markdown_table,
+    paged,
+    random_model,
+    random_pair,
+    report,
+    step_rows,
+    sync,
+    weight_bytes,
+)
 from decode_node.engine import DecodeConfig, DecodeEngine
 from engine.paged_lm import bytes_per_token, paged_pair
 from engine.spec_config import SpeculativeConfig
-from models.llama import layer_skip_draft
 from models.pair import ModelPair
-from models.tokenizer import ByteTokenizer
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
 from protos.validation import Receiver, validate_decode_request
-from sampling import DraftToTargetMap
 
 
 def engine_steps(pair: ModelPair, device: str, batch: int, k: int, context: int, steps: int, scheduling: str):
@@ -128,12 +135,11 @@ def main() -> None:
     if args.smoke:
         args.shape, args.context, args.steps = "smoke", 32, 5
     device = args.device
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.k.split(",")]
-    target = random_model(args.shape, device, dtype)
+    target = random_model(args.shape, device)
     tokens = max(batches) * (args.context + 2 * args.steps + 64)
-    raw = ModelPair(target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer())
+    raw = random_pair(target)
     pair = paged_pair(raw, tokens * (bytes_per_token(raw.target) + bytes_per_token(raw.draft)))
     forward_lm = paged(target, tokens)
     env = environment()
@@ -186,9 +192,7 @@ def main() -> None:
         "top host ms",
     ]
     text = markdown_table(header, table)
-    print(text)
-    if not args.smoke:
-        print("wrote", write_results("decode_step", env, rows, text))
+    report("decode_step", env, rows, text, keep=not args.smoke)
 
 
 if __name__ == "__main__":

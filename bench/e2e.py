@@ -16,23 +16,18 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
+from bench.harness import concurrently, environment, markdown_table, nodes, report
 from decode_node.engine import DecodeConfig, DecodeEngine
-from decode_node.server import DecodeNodeConfig
-from decode_node.server import run_server as run_decode
 from engine.spec_config import SpeculativeConfig
 from models.loader import load_pair
 from pdspec.client import Client
 from prefill_node.engine import PrefillConfig
-from prefill_node.server import PrefillNodeConfig
-from prefill_node.server import run_server as run_prefill
 from sampling import RejectionSampler, Verifier
 from sampling.proposal import DraftLaw
 
@@ -72,10 +67,7 @@ class RecordingSampler:
 
 
 def run_load(client: Client, k: int, greedy: bool, concurrency: int, tokens: int, seed0: int) -> dict:
-    stats = []
-    lock = threading.Lock()
-
-    def worker(i: int) -> None:
+    def worker(i: int) -> tuple[int, int, int]:
         out = client.generate(
             PROMPTS[i % len(PROMPTS)],
             greedy=greedy,
@@ -84,16 +76,9 @@ def run_load(client: Client, k: int, greedy: bool, concurrency: int, tokens: int
             num_speculative_tokens=k,
             timeout=300,
         )
-        with lock:
-            stats.append((len(out.token_ids), out.stats.verify_steps, sum(out.stats.accepted_per_position)))
+        return len(out.token_ids), out.stats.verify_steps, sum(out.stats.accepted_per_position)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - started
+    stats, elapsed = concurrently(worker, concurrency)
     generated = sum(s[0] for s in stats)
     steps = sum(s[1] for s in stats)
     accepted = sum(s[2] for s in stats)
@@ -120,60 +105,47 @@ def main() -> None:
         def engine(pair, config, metrics, recorder=recorder):
             return DecodeEngine(pair, config, metrics, verifier=Verifier("torch", sampler=recorder))
 
-        decode_config = DecodeNodeConfig(
-            host="127.0.0.1",
-            port=0,
-            metrics_port=None,
-            engine=DecodeConfig(spec=SpeculativeConfig(draft_law=law), max_batch=64),
+        decode, prefill = (
+            DecodeConfig(spec=SpeculativeConfig(draft_law=law), max_batch=64),
+            PrefillConfig(spec=SpeculativeConfig(draft_law=law)),
         )
-        with run_decode(decode_config, lambda: pair, engine_factory=engine) as decode:
-            prefill_config = PrefillNodeConfig(
-                decode_addr=f"127.0.0.1:{decode.port}",
-                host="127.0.0.1",
-                port=0,
-                metrics_port=None,
-                engine=PrefillConfig(spec=SpeculativeConfig(draft_law=law)),
-                peer_check_s=0.1,
-            )
-            with run_prefill(prefill_config, lambda: pair) as prefill, Client(f"127.0.0.1:{prefill.port}") as client:
-                while not prefill.peer.compatible:
-                    time.sleep(0.05)
-                for greedy in (True, False):
-                    for concurrency in CONCURRENCY:
-                        base = None
-                        for k in KS:
-                            recorder.take()
-                            result = run_load(client, k, greedy, concurrency, tokens[concurrency], seed0=1000 * k)
-                            expected = recorder.take()
-                            theory = (sum(expected) / len(expected)) if expected else result["accept_length"]
-                            base = base or result["tokens_per_s"]
-                            mode = "greedy" if greedy else "stochastic"
-                            rows.append(
-                                {
-                                    "law": law.value,
-                                    "mode": mode,
-                                    "concurrency": concurrency,
-                                    "k": k,
-                                    **result,
-                                    "accept_length_theory": theory,
-                                    "speedup_vs_k0": result["tokens_per_s"] / base,
-                                }
-                            )
-                            measured = result["accept_length"]
-                            table.append(
-                                [
-                                    law.value,
-                                    mode,
-                                    concurrency,
-                                    k,
-                                    f"{result['tokens_per_s']:.0f}",
-                                    f"{result['tokens_per_s'] / base:.2f}x",
-                                    "-" if measured is None else f"{measured:.2f}",
-                                    "-" if measured is None else f"{theory:.2f}",
-                                    result["verify_steps"],
-                                ]
-                            )
-                            print(table[-1], flush=True)
+        with nodes(pair, decode=decode, prefill=prefill, engine_factory=engine) as (client, _, _):
+            for greedy in (True, False):
+                for concurrency in CONCURRENCY:
+                    base = None
+                    for k in KS:
+                        recorder.take()
+                        result = run_load(client, k, greedy, concurrency, tokens[concurrency], seed0=1000 * k)
+                        expected = recorder.take()
+                        theory = (sum(expected) / len(expected)) if expected else result["accept_length"]
+                        base = base or result["tokens_per_s"]
+                        mode = "greedy" if greedy else "stochastic"
+                        rows.append(
+                            {
+                                "law": law.value,
+                                "mode": mode,
+                                "concurrency": concurrency,
+                                "k": k,
+                                **result,
+                                "accept_length_theory": theory,
+                                "speedup_vs_k0": result["tokens_per_s"] / base,
+                            }
+                        )
+                        measured = result["accept_length"]
+                        table.append(
+                            [
+                                law.value,
+                                mode,
+                                concurrency,
+                                k,
+                                f"{result['tokens_per_s']:.0f}",
+                                f"{result['tokens_per_s'] / base:.2f}x",
+                                "-" if measured is None else f"{measured:.2f}",
+                                "-" if measured is None else f"{theory:.2f}",
+                                result["verify_steps"],
+                            ]
+                        )
+                        print(table[-1], flush=True)
     header = [
         "draft law",
         "requests",
@@ -186,8 +158,7 @@ def main() -> None:
         "verify steps",
     ]
     text = markdown_table(header, table)
-    print(text)
-    print("wrote", write_results("e2e", env, rows, text))
+    report("e2e", env, rows, text)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import json
 import os
 import random
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -28,9 +29,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS, environment, write_results
-from bench.nodes import Reader, cluster, drain, start_decode, wait_until
-from bench.soak import free_port, health
+from bench.harness import (
+    Reader,
+    drain,
+    environment,
+    free_port,
+    health,
+    node_command,
+    nodes,
+    results_dir,
+    wait_until,
+    write_results,
+)
 from decode_node.engine import DecodeConfig
 from models.loader import load_pair
 from prefill_node.server import PrefillNodeConfig
@@ -50,6 +60,17 @@ def rss_mib() -> float:
 
 def threads(pid: int | None = None) -> int:
     return len(os.listdir(f"/proc/{pid or os.getpid()}/task"))
+
+
+def cluster(pair, decode: DecodeConfig | None = None):
+    """Both nodes in this process as the probes have always run them: each with a /metrics
+    endpoint (finding 7 counts the threads of the prefill node's)."""
+    return nodes(pair, decode=decode, decode_node={"metrics_port": 0}, prefill_node={"metrics_port": 0})
+
+
+def start_decode(port: int) -> subprocess.Popen:
+    """`python -m decode_node` on loopback `port`, no /metrics, its output discarded."""
+    return subprocess.Popen(node_command("decode", port, -1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def counted(node, code: str) -> float:
@@ -134,10 +155,11 @@ def finding_2(pair) -> dict:
     """Defaults: decode max_batch 32 + max_queue 128, prefill --max-streams 160; 240 long streams."""
     with cluster(pair) as (client, prefill, decode):
         n = 240
-        sent = time.monotonic()
+        sent = time.perf_counter()
         readers = [Reader(client.stream("import ", max_new_tokens=LONG, seed=i, timeout=120), sent) for i in range(n)]
-        wait_until(lambda: sum(r.code is not None for r in readers) >= n - 160, timeout=30, what="rejections")
-        rejected_in = max(r.ended_at for r in readers if r.code is not None) - sent
+        streams = [r.stream for r in readers]
+        wait_until(lambda: sum(s.code is not None for s in streams) >= n - 160, timeout=30, what="rejections")
+        rejected_in = max(s.ended for s in streams if s.code is not None) - sent
         checks, not_serving, t0 = [], 0.0, time.monotonic()
         channels = {
             name: grpc.insecure_channel(f"127.0.0.1:{port}") for name, port in (("p", prefill.port), ("d", decode.port))
@@ -156,8 +178,8 @@ def finding_2(pair) -> dict:
                     not_serving += 0.2
             time.sleep(0.2)
         codes = {}
-        for r in readers:
-            key = r.code.name if r.code else "in flight"
+        for s in streams:
+            key = s.code.name if s.code else "in flight"
             codes[key] = codes.get(key, 0) + 1
         load = (decode.engine.running, decode.engine.waiting, prefill.service.in_flight)
         for r in readers:
@@ -269,7 +291,7 @@ def finding_6(pair, outage: float) -> dict:
 
 
 def finding_7(pair) -> dict:
-    with cluster(pair, metrics_port=0) as (_, prefill, _):
+    with cluster(pair) as (_, prefill, _):
         before = threads()
         sockets = []
         for _ in range(50):
@@ -314,7 +336,7 @@ def main() -> None:
             results[key] = probe()
             print(f"finding {key} ({time.monotonic() - t:.0f}s):", json.dumps(results[key]), flush=True)
     env = environment()
-    earlier = RESULTS / f"findings-cpu-{env['date'][:10]}.json"
+    earlier = results_dir() / f"findings-cpu-{env['date'][:10]}.json"
     if earlier.exists():  # sections run separately (--only) accumulate in the day's file
         results = {**json.loads(earlier.read_text())["rows"], **results}
     print("wrote", write_results("findings", env, results, json.dumps(results, indent=1)))

@@ -24,131 +24,39 @@ Sections (each row says what it measures):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, gil_holders, markdown_table, write_results
-from engine.paged_lm import PagedLlamaLM, bytes_per_token
-from engine.spec_config import SpeculativeConfig
-from models.llama import LlamaCausalLM, LlamaConfig, LlamaForCausalLM, layer_skip_draft
-from models.pair import ModelPair
-from models.tokenizer import ByteTokenizer
-from protos.kv_layout import kv_bytes, layer_kv_layout
-from sampling import DraftToTargetMap
-
-SHAPES = {
-    "llama3-8b": dict(hidden=4096, layers=32, heads=32, kv=8, ffn=14336, vocab=128256, theta=500000.0),
-    "tinyllama-1.1b": dict(hidden=2048, layers=22, heads=32, kv=4, ffn=5632, vocab=32000, theta=10000.0),
-    "smoke": dict(hidden=64, layers=2, heads=4, kv=2, ffn=128, vocab=300, theta=10000.0),
-}
-
-
-def config_of(shape: dict) -> LlamaConfig:
-    return LlamaConfig.from_hf(
-        {
-            "model_type": "llama",
-            "vocab_size": shape["vocab"],
-            "hidden_size": shape["hidden"],
-            "num_hidden_layers": shape["layers"],
-            "num_attention_heads": shape["heads"],
-            "num_key_value_heads": shape["kv"],
-            "intermediate_size": shape["ffn"],
-            "rms_norm_eps": 1e-5,
-            "rope_theta": shape["theta"],
-            "max_position_embeddings": 8192,
-            "tie_word_embeddings": False,
-            "eos_token_id": shape["vocab"] - 1,
-        }
-    )
-
-
-def random_model(shape: str, device: str, dtype: torch.dtype) -> LlamaCausalLM:
-    """Random weights straight on the device (std 0.02: finite logits, a real softmax)."""
-    config = config_of(SHAPES[shape])
-    with torch.device(device):
-        module = LlamaForCausalLM(config).to(dtype)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02)
-    return LlamaCausalLM(module.eval(), source_digest=f"random-{shape}")
-
-
-def weight_bytes(model: LlamaCausalLM) -> int:
-    return sum(p.numel() * p.element_size() for p in model.module.parameters())
-
-
-def sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device: str, repeat: int) -> float:
-    """Median seconds of fn() (synchronized)."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes per second of a large device copy, read + write counted."""
-    n = (1 << 30) if torch.device(device).type == "cuda" else (64 << 20)
-    src = torch.randn(n // 4, device=device)
-    dst = torch.empty_like(src)
-    seconds = timed(lambda: dst.copy_(src), device, 10)
-    return 2 * n / seconds
-
-
-def paged(model: LlamaCausalLM, tokens: int, attention: str = "auto") -> PagedLlamaLM:
-    return PagedLlamaLM.with_pool(model, tokens * bytes_per_token(model), attention=attention)
-
-
-@contextlib.contextmanager
-def prefilled_rows(lm: PagedLlamaLM, batch: int, context: int, new: int) -> Iterator[Callable[[], None]]:
-    """`batch` rows of `context` random tokens prefilled; yields one() = an extend of `new`
-    tokens per row, truncated back after (so it can repeat). Releases the rows at the end."""
-    states = []
-    for row in range(batch):
-        ids = torch.randint(0, lm.vocab_size - 1, (context,), generator=torch.Generator().manual_seed(row)).tolist()
-        _, state = lm.prefill(ids)
-        lm.reserve(state, context + new)
-        states.append(state)
-    feed = [[1] * new for _ in range(batch)]
-
-    def one() -> None:
-        lm.extend_batch(states, feed)
-        for state in states:
-            lm.truncate(state, context)
-
-    try:
-        yield one
-    finally:
-        for state in states:
-            lm.release(state)
-
-
-def step_rows(lm: PagedLlamaLM, batch: int, context: int, new: int, device: str, repeat: int) -> float:
-    """Median seconds of one extend over `batch` rows of `context` tokens, `new` tokens each."""
-    with prefilled_rows(lm, batch, context, new) as one:
-        return timed(one, device, repeat)
+from bench.harness import (
+    SHAPES,
+    EngineSteps,
+    Stream,
+    bytes_per_token_of,
+    concurrently,
+    copy_bandwidth,
+    environment,
+    gil_holders,
+    markdown_table,
+    paged,
+    random_model,
+    random_pair,
+    read,
+    report,
+    serving_client,
+    serving_nodes,
+    spawn_nodes,
+    step_rows,
+    sync,
+    weight_bytes,
+)
 
 
 def transformers_generate(shape: str, device: str, dtype: torch.dtype, steps: int) -> float | None:
@@ -277,92 +185,15 @@ def engine_sections(args, env, rows, tables) -> None:
     tables.append("### Engine step (K = 0; the forward, through its CUDA graph)\n\n" + markdown_table(header, table))
 
 
-def serve(
-    pair: ModelPair,
-    device: str,
-    kv_bytes: int,
-    max_batch: int = 64,
-    k_max: int = 8,
-    law=None,
-    prefill_options: dict | None = None,
-):
-    """Both nodes in this process on one device (loopback gRPC); returns (client, stack, prefill,
-    decode). `law`: the draft law of both nodes (None: their default, point mass);
-    `prefill_options`: PrefillConfig fields (default: every KV in the one Decode message)."""
-
-    from decode_node.engine import DecodeConfig
-    from decode_node.server import DecodeNodeConfig
-    from decode_node.server import run_server as run_decode
-    from pdspec.client import Client
-    from pdspec.modelspec import ModelSpec
-    from prefill_node.engine import PrefillConfig
-    from prefill_node.server import PrefillNodeConfig
-    from prefill_node.server import run_server as run_prefill
-    from protos.validation import RequestLimits
-    from sampling.proposal import DraftLaw
-
-    law = law or DraftLaw.POINT_MASS
-    stack = contextlib.ExitStack()
-    spec = ModelSpec(device=device, kv_cache_bytes=kv_bytes)
-    limits = RequestLimits(max_prompt_tokens=8192)
-    decode = stack.enter_context(
-        run_decode(
-            DecodeNodeConfig(
-                host="127.0.0.1",
-                port=0,
-                metrics_port=None,
-                models=spec,
-                limits=limits,
-                engine=DecodeConfig(
-                    spec=SpeculativeConfig(max_speculative_tokens=k_max, draft_law=law),
-                    device=device,
-                    max_batch=max_batch,
-                    max_queue=256,
-                ),
-            ),
-            lambda: pair,
-        )
-    )
-    prefill = stack.enter_context(
-        run_prefill(
-            PrefillNodeConfig(
-                decode_addr=f"127.0.0.1:{decode.port}",
-                host="127.0.0.1",
-                port=0,
-                metrics_port=None,
-                models=spec,
-                # the handoff section times the one-message path (DecodeStream is bench/wire_kv.py's)
-                engine=PrefillConfig(
-                    spec=SpeculativeConfig(max_speculative_tokens=k_max, draft_law=law),
-                    device=device,
-                    limits=limits,
-                    **prefill_options or {"kv_stream_threshold_bytes": 1 << 40},
-                ),
-                peer_check_s=0.1,
-                max_streams=512,
-            ),
-            lambda: pair,
-        )
-    )
-    while not prefill.peer.compatible:
-        time.sleep(0.05)
-    client = stack.enter_context(Client(f"127.0.0.1:{prefill.port}", max_message_bytes=1 << 30))
-    return client, stack, prefill, decode
-
-
 def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy: bool, temperature: float = 1.0):
     """`batch` concurrent streams; returns (tokens/s over the whole run, accept length, ttfts,
     steady inter-token gaps, the steady window (start, end) in perf_counter seconds). Steady: from the moment the last
     stream got its first token from the decode node (every KV handed over, every stream
     admitted) to the moment the first stream finished, so every stream decodes throughout and
     no admission falls inside a gap; a gap is a response's wait over the tokens it carries."""
-    results = [None] * batch
 
-    def one(i: int) -> None:
-        started = last = time.perf_counter()
-        ttft, decoding, out, gaps = None, None, [], []
-        stats = None
-        for response in client.stream(
+    def one(i: int) -> Stream:
+        call = client.stream(
             prompt_token_ids=prompt_ids,
             max_new_tokens=tokens,
             greedy=greedy,
@@ -370,190 +201,18 @@ def load(client, batch: int, tokens: int, k: int, prompt_ids: list[int], greedy:
             seed=i,
             num_speculative_tokens=k,
             timeout=600,
-        ):
-            now = time.perf_counter()
-            if ttft is None:
-                ttft = now - started  # the prefill node's token
-            elif response.token_ids:
-                decoding = decoding or now  # the decode node's first
-                gaps.append((last, now, (now - last) / len(response.token_ids), len(response.token_ids)))
-            last = now
-            out += response.token_ids
-            if response.finished:
-                stats = response.stats
-        results[i] = (len(out), ttft, stats, gaps, decoding, last)
+        )
+        return read(call).checked()
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
-    generated = sum(r[0] for r in results)
-    steps = sum(r[2].verify_steps for r in results)
-    accepted = sum(r[2].accepted_tokens for r in results)
-    begin = max((r[4] for r in results if r[4] is not None), default=math.inf)
-    end = min(r[5] for r in results)
-    gaps = [gap for r in results for since, until, gap, n in r[3] if since >= begin and until <= end for _ in range(n)]
+    streams, elapsed = concurrently(one, batch)
+    steps = sum(s.stats.verify_steps for s in streams)
+    accepted = sum(s.stats.accepted_tokens for s in streams)
+    gaps = [s.gaps() for s in streams]
+    begin = max((g[0][1] for g in gaps if g), default=math.inf)  # each stream's first token from the decode node
+    end = min(s.arrivals[-1] for s in streams)
+    steady = [(b - a) / n for g in gaps for a, b, n in g if a >= begin and b <= end for _ in range(n)]
     accept = (accepted + steps) / steps if steps else None
-    return generated / elapsed, accept, [r[1] for r in results], gaps, (begin, end)
-
-
-def _node_process(
-    role: str,
-    shape: str,
-    device: str,
-    kv_bytes: int,
-    decode_addr: str,
-    ports,
-    stop,
-    shm: bool = False,
-    scheduling: str = "auto",
-) -> None:
-    """One node in its own process (as deployed: no GIL shared with the other node); `shm`:
-    the KV handed over in shared memory (--kv-transport shm / --accept-shm-kv); `scheduling`:
-    the decode node's --async-scheduling."""
-    torch.manual_seed(0)
-    target = random_model(shape, device, torch.bfloat16 if device != "cpu" else torch.float32)
-    pair = ModelPair(target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer())
-    from decode_node.engine import DecodeConfig
-    from decode_node.server import DecodeNodeConfig
-    from decode_node.server import run_server as run_decode
-    from pdspec.modelspec import ModelSpec
-    from prefill_node.engine import KvTransport, PrefillConfig
-    from prefill_node.server import PrefillNodeConfig
-    from prefill_node.server import run_server as run_prefill
-    from protos.validation import RequestLimits
-
-    spec = ModelSpec(device=device, kv_cache_bytes=kv_bytes)
-    if role == "decode":
-        config = DecodeNodeConfig(
-            host="127.0.0.1",
-            port=0,
-            metrics_port=0,  # any free port: the bench reads the engine's step times there
-            models=spec,
-            engine=DecodeConfig(device=device, max_batch=64, max_queue=256, async_scheduling=scheduling),
-            limits=RequestLimits(max_prompt_tokens=8192),
-            accept_shm_kv=shm,
-        )
-        context = run_decode(config, lambda: pair)
-    else:
-        config = PrefillNodeConfig(
-            decode_addr=decode_addr,
-            host="127.0.0.1",
-            port=0,
-            metrics_port=None,
-            models=spec,
-            engine=PrefillConfig(
-                device=device,
-                limits=RequestLimits(max_prompt_tokens=8192),
-                kv_transport=KvTransport.SHM if shm else KvTransport.GRPC,
-            ),
-            peer_check_s=0.1,
-            max_streams=512,
-        )
-        context = run_prefill(config, lambda: pair)
-    with context as node:
-        ports.put((node.port, node.metrics_port))
-        stop.wait()
-
-
-def spawn_nodes(
-    shape: str,
-    device: str,
-    kv_bytes: int,
-    *,
-    prefill_device: str | None = None,
-    shm: bool = False,
-    scheduling: str = "auto",
-):
-    """Decode (on `device`) and prefill (on `prefill_device`, default the same) nodes, each in
-    its own process; returns (prefill port, stop, each node's process id and the decode
-    node's /metrics port)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    stop, ports = ctx.Event(), ctx.Queue()
-    decode = ctx.Process(
-        target=_node_process, args=("decode", shape, device, kv_bytes, "", ports, stop, shm, scheduling)
-    )
-    decode.start()
-    decode_port, decode_metrics = ports.get(timeout=600)
-    prefill_kv = 8200 * 2 * bytes_per_token_of(shape)
-    prefill = ctx.Process(
-        target=_node_process,
-        args=("prefill", shape, prefill_device or device, prefill_kv, f"127.0.0.1:{decode_port}", ports, stop, shm),
-    )
-    prefill.start()
-    prefill_port, _ = ports.get(timeout=600)
-
-    def shutdown() -> None:
-        stop.set()
-        for process in (prefill, decode):
-            process.join(60)
-
-    nodes = {"decode": {"pid": decode.pid, "metrics_port": decode_metrics}, "prefill": {"pid": prefill.pid}}
-    return prefill_port, shutdown, nodes
-
-
-@contextlib.contextmanager
-def serving_client(port: int):
-    """A client of the prefill node on `port`, once its health check says SERVING."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from pdspec.client import Client
-
-    with Client(f"127.0.0.1:{port}", max_message_bytes=1 << 30) as client:
-        health = health_pb2_grpc.HealthStub(client.channel)
-        while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
-            time.sleep(0.2)
-        yield client
-
-
-class EngineSteps:
-    """Samples the decode node's pdspec_engine_step_seconds (sum, count) every `period` s while
-    the block runs; `mean_within(start, end)` is the mean step between two perf_counter times."""
-
-    def __init__(self, metrics_port: int, period: float = 0.1) -> None:
-        self.url, self.period = f"http://127.0.0.1:{metrics_port}/metrics", period
-        self.samples: list[tuple[float, float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> EngineSteps:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        import urllib.request
-
-        from prometheus_client.parser import text_string_to_metric_families
-
-        while not self._stop.wait(self.period):
-            now = time.perf_counter()
-            text = urllib.request.urlopen(self.url, timeout=5).read().decode()
-            found = {}
-            for family in text_string_to_metric_families(text):
-                if family.name == "pdspec_engine_step_seconds":
-                    found = {s.name: s.value for s in family.samples if s.name.endswith(("_sum", "_count"))}
-            self.samples.append(
-                (
-                    now,
-                    found.get("pdspec_engine_step_seconds_sum", 0.0),
-                    found.get("pdspec_engine_step_seconds_count", 0.0),
-                )
-            )
-
-    def mean_within(self, start: float, end: float) -> float:
-        inside = [s for s in self.samples if start <= s[0] <= end]
-        if len(inside) < 2 or inside[-1][2] == inside[0][2]:
-            return float("nan")
-        return (inside[-1][1] - inside[0][1]) / (inside[-1][2] - inside[0][2])
+    return sum(len(s.tokens) for s in streams) / elapsed, accept, [s.ttft for s in streams], steady, (begin, end)
 
 
 THREADING = ("(threading.py)", "(concurrent/futures/thread.py)")  # every thread's bottom frames
@@ -561,10 +220,8 @@ GIL_PROFILE_TOKENS = 1024  # new tokens per stream while profiling: its steady p
 
 
 def gil_profile(client, batch: int, prompt: list[int], pids: dict[str, int], seconds: int = 4) -> dict:
-    """Each node's GIL holders (bench.common.gil_holders) while `batch` streams are in their
+    """Each node's GIL holders (bench.harness.gil_holders) while `batch` streams are in their
     steady phase: the sampling starts once every stream should have its first token."""
-    from concurrent import futures
-
     with futures.ThreadPoolExecutor(1 + len(pids)) as pool:
         streams = pool.submit(load, client, batch, GIL_PROFILE_TOKENS, 0, prompt, True)
         time.sleep(1.0 + 0.08 * batch)  # past the TTFT (4.4 s at 64 streams of 256 tokens, 8B shape, H200)
@@ -572,12 +229,6 @@ def gil_profile(client, batch: int, prompt: list[int], pids: dict[str, int], sec
         found = {node: spy.result() for node, spy in spies.items()}
         streams.result()
     return found
-
-
-def bytes_per_token_of(shape: str) -> int:
-    """A bfloat16 model's KV bytes per token, before any model of the shape is built."""
-    c = config_of(SHAPES[shape])
-    return kv_bytes(layer_kv_layout(c.num_layers, c.num_kv_heads, c.head_dim, torch.bfloat16), 1)
 
 
 def node_sections(args, env, rows, tables) -> None:
@@ -614,12 +265,8 @@ def node_sections(args, env, rows, tables) -> None:
         title = "### Who holds each node's GIL in the steady phase (py-spy --gil)"
         tables.append(f"{title}\n\n{markdown_table(header, gil_table)}")
     if "handoff" in args.only:
-        target = random_model(shape, args.device, args.dtype)
-        pair = ModelPair(
-            target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer()
-        )
-        _client, stack, prefill, decode = serve(pair, args.device, 2 * 4200 * (per_token + per_token))
-        with stack:
+        pair = random_pair(random_model(shape, args.device, args.dtype))
+        with serving_nodes(pair, args.device, 2 * 4200 * (per_token + per_token)) as (_, prefill, decode):
             handoff(prefill, decode, rows, tables, args)
 
 
@@ -755,17 +402,13 @@ def spec_section(args, env, rows, tables) -> None:
     table = []
     for layers in args.draft_layers:
         if args.smoke:
-            target = random_model("smoke", device, torch.float32)
-            pair = ModelPair(
-                target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer()
-            )
+            pair = random_pair(random_model("smoke", device, torch.float32))
         else:
             pair = load_pair(target_model=args.smollm2, draft_layers=layers, device=device)
         prompt = pair.tokenizer.encode("The history of the city begins in the early middle ages, when")
         for law in DraftLaw:
             kv_bytes = (4 << 30) if device != "cpu" else 256 << 20
-            client, stack, _, _ = serve(pair, device, kv_bytes, law=law)
-            with stack:
+            with serving_nodes(pair, device, kv_bytes, law=law) as (client, _, _):
                 for k in (0, 4):  # warm-up: graphs for both step shapes captured before timing
                     load(client, 4, 16, k, prompt, False)
                 for temperature in (0.0, 1.0):
@@ -824,6 +467,7 @@ def main() -> None:
     parser.add_argument(
         "--gil-profile", default="", help="nodes section: at these batch sizes, sample who holds each node's GIL"
     )
+    parser.add_argument("--json", type=Path, help="also write the rows here (--smoke too)")
     args = parser.parse_args()
     args.gil_profile = {int(b) for b in args.gil_profile.split(",") if b}
     args.only = set(args.only.split(","))
@@ -844,9 +488,7 @@ def main() -> None:
     if "spec" in args.only:
         spec_section(args, env, rows, tables)
     text = "\n\n".join(tables)
-    print(text)
-    if not args.smoke:
-        print("wrote", write_results("gpu_e2e", env, rows, text))
+    report("gpu_e2e", env, rows, text, keep=not args.smoke, json_path=args.json)
 
 
 if __name__ == "__main__":

@@ -25,14 +25,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
-from bench.gpu_e2e import prefilled_rows, random_model, sync, timed
+from bench.harness import (
+    environment,
+    markdown_table,
+    median_time,
+    prefilled_rows,
+    random_model,
+    random_pair,
+    report,
+    sync,
+)
 from engine.paged_lm import bytes_per_token, paged_pair
-from models.llama import layer_skip_draft
-from models.pair import ModelPair
-from models.tokenizer import ByteTokenizer
 from pdspec.modelspec import ModelSpec
-from sampling import DraftToTargetMap
 
 
 def forwards(lm, batch: int, queries: int, context: int, device: str, repeat: int) -> tuple[float, float]:
@@ -43,7 +47,7 @@ def forwards(lm, batch: int, queries: int, context: int, device: str, repeat: in
         one()
         sync(device)
         first = time.perf_counter() - started
-        return first, timed(one, device, repeat)
+        return first, median_time(one, repeat, warmup=1, device=device)
 
 
 def main() -> None:
@@ -58,9 +62,8 @@ def main() -> None:
     if args.smoke:
         args.shape, args.batches = "smoke", "1,2"
     device, batches = args.device, [int(b) for b in args.batches.split(",")]
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    target = random_model(args.shape, device, dtype)
-    raw = ModelPair(target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer())
+    target = random_model(args.shape, device)
+    raw = random_pair(target)
     kv_bytes = 16 * 4096 * (bytes_per_token(raw.target) + bytes_per_token(raw.draft))
     capture = ModelSpec().graph_capture(max_k=8, decode=True, max_batch=32)  # the decode node's default
     lazy = paged_pair(raw, kv_bytes)
@@ -115,9 +118,7 @@ def main() -> None:
         f"start-up capture ({args.shape}): {graphs} graphs in {seconds:.1f} s (pools, warm-up and capture), "
         f"{memory} beyond the KV pools (GPU)\n\n" + markdown_table(header, table)
     )
-    print(text)
-    path = write_results("graph_capture", environment(), {"startup": startup, "forwards": rows}, text)
-    print(f"wrote {path}")
+    report("graph_capture", environment(), {"startup": startup, "forwards": rows}, text)
 
 
 if __name__ == "__main__":

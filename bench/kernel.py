@@ -13,16 +13,14 @@ Writes bench/results/kernel-*.json.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
+from bench.harness import eager_us, environment, graph_us, markdown_table, report
 from sampling import RejectionSampler, rejection_sample
 
 CASES = [(1, 4, 128256), (64, 4, 128256), (256, 4, 128256), (64, 1, 32000), (64, 8, 151936), (512, 4, 32000)]
@@ -82,42 +80,6 @@ def naive_torch(draft_ids, draft_probs, target_probs, target_ids, uniforms, do_s
         positions < num_accepted[:, None], drafts, torch.where(positions == num_accepted[:, None], final, -1)
     )
     return out.int(), (num_accepted + 1).int()
-
-
-def graph_of(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
-def graph_us(fn) -> float:
-    from triton.testing import do_bench
-
-    graph = graph_of(fn)
-    return 1e3 * do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
-
-
-def eager_us(fn, calls: int = 200, trials: int = 7) -> float:
-    """Back-to-back calls from Python, one sync per trial: median per-call wall time."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        per_call.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(per_call)
 
 
 def ceilings() -> dict[str, float]:
@@ -230,8 +192,7 @@ def main() -> None:
     text = markdown_table(header, table)
     env.update({k: f"{v:.1f}" for k, v in ceiling.items()})
     print("\n".join(f"{k}: {v}" for k, v in env.items()))
-    print(text)
-    print("wrote", write_results("kernel", env, rows, text))
+    report("kernel", env, rows, text)
 
 
 if __name__ == "__main__":

@@ -17,31 +17,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
-from bench.gpu_e2e import SHAPES, random_model, serve
+from bench.harness import environment, markdown_table, random_model, random_pair, read, report, serving_nodes
 from engine.paged_lm import bytes_per_token
-from models.llama import layer_skip_draft
-from models.pair import ModelPair
-from models.tokenizer import ByteTokenizer
-from sampling import DraftToTargetMap
-
-SHAPES.setdefault("kv-heavy", dict(hidden=256, layers=8, heads=4, kv=4, ffn=512, vocab=512, theta=10000.0))
 
 
 def first_two(client, prompt: list[int]) -> tuple[float, float]:
     """(TTFT, time to the second token) of one greedy request."""
-    start = time.perf_counter()
-    times = []
-    for response in client.stream(prompt_token_ids=prompt, max_new_tokens=2, greedy=True, num_speculative_tokens=0):
-        times += [time.perf_counter() - start] * len(response.token_ids)
-    return times[0], times[1]
+    call = client.stream(prompt_token_ids=prompt, max_new_tokens=2, greedy=True, num_speculative_tokens=0)
+    first, second = read(call).checked().token_times()
+    return first, second
 
 
 def main() -> None:
@@ -52,17 +42,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     device = args.device
-    dtype = torch.bfloat16 if device != "cpu" else torch.float32
-    target = random_model(args.shape, device, dtype)
-    pair = ModelPair(target, layer_skip_draft(target, 1), DraftToTargetMap.identity(target.vocab_size), ByteTokenizer())
+    target = random_model(args.shape, device)
+    pair = random_pair(target)
     prompts = [int(p) for p in args.prompts.split(",")]
     per_token = bytes_per_token(target) * 9 // 8  # + the draft's
     kv_bytes = 2 * (max(prompts) + 64) * per_token
     rows, table = [], []
     for layerwise in (False, True):
         options = {"kv_streaming": True, "kv_layerwise": layerwise}
-        client, stack, _, _ = serve(pair, device, kv_bytes, max_batch=4, prefill_options=options)
-        with stack:
+        with serving_nodes(pair, device, kv_bytes, max_batch=4, prefill_options=options) as (client, _, _):
             first_two(client, list(range(1, 33)))  # warm-up
             for length in prompts:
                 prompt = [1 + (7 * i) % (target.vocab_size - 2) for i in range(length)]
@@ -77,9 +65,7 @@ def main() -> None:
                 print(table[-1], flush=True)
     header = ["prompt tokens", "KV MiB", "KV sent", "TTFT ms", "time to 2nd token ms"]
     text = markdown_table(header, sorted(table, key=lambda r: (r[0], r[2])))
-    print(text)
-    env = environment() | {"shape": args.shape}
-    print("wrote", write_results("layerwise", env, rows, text))
+    report("layerwise", environment() | {"shape": args.shape}, rows, text)
 
 
 if __name__ == "__main__":

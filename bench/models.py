@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, median_ms, write_results
+from bench.harness import environment, markdown_table, median_time, report
 from engine.spec_config import SpeculativeConfig
 from models.loader import load_pair
 
@@ -77,10 +77,10 @@ def measure(model, prompt: list[int]) -> list[dict]:
             model.extend(state, [token])
         model.truncate(state, base)
 
-    one_ms = median_ms(lambda: one_call(1), repeat=20)
+    one_ms = 1e3 * median_time(lambda: one_call(1), repeat=20)
     for k in KS:
-        batch_ms = median_ms(lambda k=k: one_call(k + 1), repeat=20)
-        steps_ms = median_ms(lambda k=k: single_steps(k + 1), repeat=20)
+        batch_ms = 1e3 * median_time(lambda k=k: one_call(k + 1), repeat=20)
+        steps_ms = 1e3 * median_time(lambda k=k: single_steps(k + 1), repeat=20)
         rows.append(
             {
                 "model": model.name,
@@ -197,14 +197,12 @@ def step_times(target, reference, context: list[int]) -> list[dict]:
                 reference(torch.tensor([new]), past_key_values=cache, use_cache=True)
             cache.crop(-n)  # drop the n new positions (negative: the form every version accepts)
 
-        own_ms, hf_ms = median_ms(own, repeat=15), median_ms(hf, repeat=15)
+        own_ms, hf_ms = 1e3 * median_time(own, repeat=15), 1e3 * median_time(hf, repeat=15)
         rows.append({"positions": n, "context": base, "own_ms": own_ms, "transformers_ms": hf_ms})
     return rows
 
 
 def smollm2(draft_layers: list[int]) -> None:
-    import transformers
-
     from models.llama import layer_skip_draft
     from models.loader import SMOLLM2, load_pair, resolve_model_spec
     from models.pair import ModelPair
@@ -215,8 +213,6 @@ def smollm2(draft_layers: list[int]) -> None:
     env["commit_full"] = subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).resolve().parent
     ).stdout.strip()
-    env["transformers"] = transformers.__version__
-    env["cpu_cores"] = str(os.cpu_count())
     env["load_average_at_start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     base = load_pair(target_model=SMOLLM2, draft_layers=draft_layers[0])
     target, tokenizer = base.target, base.tokenizer
@@ -227,7 +223,7 @@ def smollm2(draft_layers: list[int]) -> None:
     corpus = tokenizer.encode(text)
     results["prefill"] = []
     for n in (128, 512):
-        ms = median_ms(lambda n=n: target.prefill(corpus[:n]), warmup=1, repeat=5)
+        ms = 1e3 * median_time(lambda n=n: target.prefill(corpus[:n]), warmup=1, repeat=5)
         results["prefill"].append({"prompt_tokens": n, "ms": ms, "tokens_per_s": n / ms * 1e3})
 
     prompts = [tokenizer.encode(p) for p in PROMPTS]
@@ -289,8 +285,7 @@ def smollm2(draft_layers: list[int]) -> None:
     ]
     text = "\n\n".join(tables)
     print("\n".join(f"{k}: {v}" for k, v in env.items()))
-    print(text)
-    print("wrote", write_results("models-smollm2", env, results, text))
+    report("models-smollm2", env, results, text)
 
 
 def main() -> None:
@@ -332,8 +327,7 @@ def main() -> None:
     ]
     text = markdown_table(header, table)
     print("\n".join(f"{k}: {v}" for k, v in env.items()))
-    print(text)
-    print("wrote", write_results("models", env, rows, text))
+    report("models", env, rows, text)
 
 
 if __name__ == "__main__":

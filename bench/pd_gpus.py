@@ -3,7 +3,7 @@ prompts arrive?
 
     python bench/pd_gpus.py [--setups disagg,disagg-shm,colocated,k0] [--rates 0.5,1] [--smoke]
 
-Setups, each one run of both nodes (one process each, bench/gpu_e2e.spawn_nodes) with the
+Setups, each one run of both nodes (one process each, bench/harness.spawn_nodes) with the
 random-weight Llama-3-8B-shaped checkpoint and its 1-layer layer-skip draft:
 * disagg: prefill on cuda:0, decode on cuda:1, KV over loopback gRPC (DecodeStream);
 * disagg-shm: the same with the KV in shared memory (--kv-transport shm);
@@ -34,8 +34,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
-from bench.gpu_e2e import bytes_per_token_of, serving_client, spawn_nodes
+from bench.harness import (
+    Stream,
+    bytes_per_token_of,
+    environment,
+    markdown_table,
+    percentile,
+    read,
+    report,
+    serving_client,
+    spawn_nodes,
+)
 
 SETUPS = {  # name -> (decode device index, prefill device index, K, shared-memory KV)
     "disagg": (1, 0, 4, False),
@@ -45,38 +54,22 @@ SETUPS = {  # name -> (decode device index, prefill device index, K, shared-memo
 }
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def stream(client, prompt: list[int], tokens: int, k: int, seed: int, record: dict) -> None:
-    """One greedy request; `record` gets its TTFT, message gaps and token count."""
-    started = time.perf_counter()
-    last, gaps, count = None, [], 0
-    for response in client.stream(
+def stream(client, prompt: list[int], tokens: int, k: int, seed: int, into: Stream) -> None:
+    """One greedy request, read `into` a Stream."""
+    call = client.stream(
         prompt_token_ids=prompt, max_new_tokens=tokens, greedy=True, seed=seed, num_speculative_tokens=k, timeout=900
-    ):
-        now = time.perf_counter()
-        if last is None:
-            record["ttft"] = now - started
-        elif response.token_ids:
-            gaps.append(now - last)
-        last = now
-        count += len(response.token_ids)
-    record.update(gaps=gaps, tokens=count, end=time.perf_counter())
+    )
+    read(call, into).checked()
 
 
 def run_phase(client, args, k: int, rate: float | None, vocab: int) -> dict:
     """The steady streams, with Poisson arrivals at `rate` per second beside them (None: alone)."""
-    steady = [{} for _ in range(args.steady)]
+    steady = [Stream(time.perf_counter()) for _ in range(args.steady)]
     threads = [
         threading.Thread(target=stream, args=(client, list(range(1, 129)), args.steady_tokens, k, i, steady[i]))
         for i in range(args.steady)
     ]
-    arrivals: list[dict] = []
+    arrivals: list[Stream] = []
     start = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -86,7 +79,7 @@ def run_phase(client, args, k: int, rate: float | None, vocab: int) -> dict:
         while at < args.duration:
             time.sleep(max(0.0, start + at - time.perf_counter()))
             prompt = [rng.randrange(1, vocab - 1) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-            record = {"start": time.perf_counter()}
+            record = Stream(time.perf_counter())
             arrivals.append(record)
             thread = threading.Thread(
                 target=stream, args=(client, prompt, rng.randint(*args.new_tokens), k, 1000 + len(arrivals), record)
@@ -97,10 +90,10 @@ def run_phase(client, args, k: int, rate: float | None, vocab: int) -> dict:
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - start
-    steady_gaps = [g for r in steady for g in r["gaps"]]
-    arrival_gaps = [g for r in arrivals for g in r["gaps"]]
-    ttfts = [r["ttft"] for r in arrivals if "ttft" in r]
-    out = sum(r["tokens"] for r in steady + arrivals)
+    steady_gaps = [until - since for s in steady for since, until, _ in s.gaps()]
+    arrival_gaps = [until - since for s in arrivals for since, until, _ in s.gaps()]
+    ttfts = [s.ttft for s in arrivals if s.arrivals]
+    out = sum(len(s.tokens) for s in steady + arrivals)
     return {
         "rate": rate or 0.0,
         "arrivals": len(arrivals),
@@ -131,7 +124,8 @@ def run_setup(name: str, args, rows: list[dict], table: list[list]) -> None:
     try:
         with serving_client(port) as client:
             vocab = {"smoke": 300}.get(args.shape, 128256)
-            stream(client, list(range(1, args.max_prompt + 1)), 8, k, 0, {})  # warm-up: long-prompt path, graphs
+            warm = Stream(time.perf_counter())
+            stream(client, list(range(1, args.max_prompt + 1)), 8, k, 0, warm)  # warm-up: long-prompt path, graphs
             for rate in [None, *args.rates]:
                 row = {"setup": name, "decode_device": decode_device, "prefill_device": prefill_device, "k": k}
                 row.update(run_phase(client, args, k, rate, vocab))
@@ -193,9 +187,7 @@ def main() -> None:
         "output tokens/s",
     ]
     text = markdown_table(header, table)
-    print(text)
-    if not args.smoke:
-        print("wrote", write_results("pd_gpus", env, rows, text))
+    report("pd_gpus", env, rows, text, keep=not args.smoke)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, median_ms, write_results
+from bench.harness import environment, markdown_table, median_time, report
 from bench.kernel import make_inputs
 from sampling import rejection_sample
 from sampling.naive import rejection_sample_loop
@@ -27,8 +27,8 @@ def main() -> None:
         for dense in (True, False):
             # All-stochastic rows with a real rejection rate: the residual pass is exercised.
             args = make_inputs(batch, k, vocab, dense, device="cpu")
-            ref_ms = median_ms(lambda a=args: rejection_sample(*a, backend="torch"))
-            loop_ms = median_ms(lambda a=args: rejection_sample_loop(*a), warmup=1, repeat=5)
+            ref_ms = 1e3 * median_time(lambda a=args: rejection_sample(*a, backend="torch"))
+            loop_ms = 1e3 * median_time(lambda a=args: rejection_sample_loop(*a), warmup=1, repeat=5)
             mode = "dense" if dense else "point mass"
             rows.append(
                 {
@@ -45,8 +45,7 @@ def main() -> None:
             )
     text = markdown_table(["(B, K, V)", "draft", "torch reference ms", "per-row loop ms", "speed-up"], table)
     print("\n".join(f"{k}: {v}" for k, v in env.items()))
-    print(text)
-    print("wrote", write_results("sampling_cpu", env, rows, text))
+    report("sampling_cpu", env, rows, text)
 
 
 if __name__ == "__main__":

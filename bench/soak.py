@@ -19,7 +19,6 @@ import argparse
 import collections
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,31 +29,17 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
+from bench.harness import environment, free_port, health, markdown_table, node_command, write_results
 from protos import pdspec_pb2, pdspec_pb2_grpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 MAX_BATCH, MAX_QUEUE = 8, 16
 PROMPTS = ["import ", "def ", "class Foo:\n    ", "for i in range(", "return self.", "# the "]
 LOG_DIR = Path("/tmp/pdspec-soak")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def health(port: int, timeout: float = 1.0) -> int:
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
-    except grpc.RpcError:
-        return -1
 
 
 def proc_status(pid: int) -> dict:
@@ -90,8 +75,7 @@ class Node:
     def start(self) -> None:
         LOG_DIR.mkdir(exist_ok=True)
         log = open(LOG_DIR / f"{self.name}-{len(self.incarnations)}.log", "w")  # noqa: SIM115
-        command = [sys.executable, "-m", f"{self.name}_node", "--host", "127.0.0.1", "--port", str(self.port)]
-        command += ["--metrics-port", str(self.metrics_port), *self.args]
+        command = node_command(self.name, self.port, self.metrics_port, *self.args)
         self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         self.incarnations.append({"pid": self.proc.pid, "ready": False, "first": None, "max": None, "last": None})
 

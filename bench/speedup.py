@@ -20,26 +20,17 @@ Writes bench/results/speedup-*.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
-from decode_node.engine import DecodeConfig
-from decode_node.server import DecodeNodeConfig
-from decode_node.server import run_server as run_decode
-from engine.spec_config import SpeculativeConfig
+from bench.harness import concurrently, environment, markdown_table, method_nodes, report
 from pdspec.client import Client
 from pdspec.modelspec import ModelSpec
-from prefill_node.engine import PrefillConfig
-from prefill_node.server import PrefillNodeConfig
-from prefill_node.server import run_server as run_prefill
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "speedup.jsonl"
 GROUNDED = ("summarise", "code", "extract", "qa")
@@ -60,27 +51,6 @@ class Config:
             return cls("draft", 0)
         method, _, k = text.partition(":")
         return cls(method, int(k or 4))
-
-
-@contextlib.contextmanager
-def nodes(models: ModelSpec, method: str, max_batch: int):
-    engine = DecodeConfig(spec=SpeculativeConfig(method=method), max_batch=max_batch, device=models.device)
-    decode_config = DecodeNodeConfig(host="127.0.0.1", port=0, metrics_port=None, engine=engine, models=models)
-    with run_decode(decode_config) as decode:
-        prefill_config = PrefillNodeConfig(
-            decode_addr=f"127.0.0.1:{decode.port}",
-            host="127.0.0.1",
-            port=0,
-            metrics_port=None,
-            http_port=None,
-            engine=PrefillConfig(spec=SpeculativeConfig(method=method), device=models.device),
-            models=models,
-            peer_check_s=0.1,
-        )
-        with run_prefill(prefill_config) as prefill, Client(f"127.0.0.1:{prefill.port}") as client:
-            while not prefill.peer.compatible:
-                time.sleep(0.05)
-            yield client, decode
 
 
 def run_set(
@@ -116,8 +86,7 @@ def run_set(
             "chosen_k": list(s.chosen_k),
         }
 
-    with ThreadPoolExecutor(batch) as pool:
-        return list(pool.map(one, range(len(prompts))))
+    return concurrently(one, len(prompts), workers=batch)[0]
 
 
 def diverges_at(tokens: list[int], base: list[int]) -> int | None:
@@ -206,7 +175,7 @@ def main() -> None:
     for config in configs:
         by_method.setdefault(config.method, []).append(config)
     for method, group in by_method.items():
-        with nodes(models, method, max(batches)) as (client, decode):
+        with method_nodes(models, method, max(batches)) as (client, _, decode):
             print(f"# {method}: step costs {decode.engine.policy.costs}", flush=True)
             # Warm-up, untimed: each group's longest prompt for the whole budget, so the CUDA graphs of
             # every key width a timed run reaches are captured (else the first timed config pays them).
@@ -265,7 +234,6 @@ def main() -> None:
                     )
     header = ["config", "T", "batch", "prompts", "tok/s", "vs K=0", "tok/verify", "verify share", "acc by pos", "= K=0"]
     text = markdown_table(header, table)
-    print(text)
     env = {
         **environment(),
         "device": args.device,
@@ -274,8 +242,7 @@ def main() -> None:
         "max_new_tokens": str(args.max_new_tokens),
         "sampled_seeds": "none" if args.unseeded else "per request",
     }
-    path = write_results(args.name, env, out, text)
-    print(f"wrote {path}")
+    report(args.name, env, out, text)
 
 
 if __name__ == "__main__":

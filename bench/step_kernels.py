@@ -8,7 +8,7 @@ row is run through its CUDA graph. Reported per forward:
 * kernels and their summed device time (torch.profiler), the top kernels by time;
 * the graph replay alone, timed with CUDA events over 50 replays: the device's time for the
   forward, launch gaps between its kernels included, no host work;
-* the wall time of the whole `extend_batch` (bench/gpu_e2e.step_rows: host metadata, the
+* the wall time of the whole `extend_batch` (bench/harness.step_rows: host metadata, the
   inputs' copies, the replay, the logits' copy, a synchronize), as the engine-step table measures.
 The difference between the last two is the host's share of a step. Writes
 bench/results/step_kernels-*.json.
@@ -25,8 +25,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
-from bench.gpu_e2e import copy_bandwidth, paged, prefilled_rows, random_model, step_rows, weight_bytes
+from bench.harness import (
+    copy_bandwidth,
+    environment,
+    markdown_table,
+    paged,
+    prefilled_rows,
+    random_model,
+    report,
+    step_rows,
+    weight_bytes,
+)
 
 
 def forward_kernels(lm, batch: int, queries: int, context: int) -> dict:
@@ -71,7 +80,7 @@ def main() -> None:
     env = environment()
     bandwidth = copy_bandwidth("cuda")
     env["copy_bandwidth_GBps"] = f"{bandwidth / 1e9:.0f}"
-    model = random_model(args.shape, "cuda", torch.bfloat16)
+    model = random_model(args.shape, "cuda")
     floor = weight_bytes(model) / bandwidth
     rows, table = [], []
     for attention in ("triton", "sdpa"):
@@ -97,8 +106,7 @@ def main() -> None:
         del lm
     header = ["attention", "batch", "queries/row", "kernels", "kernel ms", "graph replay ms", "step wall ms"]
     text = markdown_table(header, table)
-    print(text)
-    print("wrote", write_results("step_kernels", env, rows, text))
+    report("step_kernels", env, rows, text)
 
 
 if __name__ == "__main__":

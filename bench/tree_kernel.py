@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, median_ms, write_results
+from bench.harness import eager_us, environment, graph_us, markdown_table, median_time, report
 from sampling import rejection_sample, tree_rejection_sample
 from sampling.rejection import cupy_available
 
@@ -93,11 +93,8 @@ def main() -> None:
     smoke = "--smoke" in sys.argv[1:]
     gpu = torch.cuda.is_available() and cupy_available()
     device = "cuda" if gpu else "cpu"
-    if gpu:
-        from bench.kernel import eager_us, graph_us
     env = environment()
     env["backends"] = "torch, cupy" if gpu else "torch (no GPU with CuPy: reference only)"
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
     rows, table = [], []
     for vocab in VOCABS[:1] if smoke else VOCABS:
         for batch in BATCHES[:1] if smoke else BATCHES:
@@ -107,8 +104,8 @@ def main() -> None:
                 for branching in SHAPES:
                     args = tree_inputs(batch, branching, vocab, dense, device)
                     reference = tree_rejection_sample(*args, backend="torch")
-                    ref_us = 1e3 * median_ms(
-                        lambda a=args: tree_rejection_sample(*a, backend="torch", check_values=False), sync=sync
+                    ref_us = 1e6 * median_time(
+                        lambda a=args: tree_rejection_sample(*a, backend="torch", check_values=False), device=device
                     )
                     row = {
                         "batch": batch,
@@ -150,8 +147,7 @@ def main() -> None:
         header += ["tree graph µs", "tree eager µs", "chain kernel graph µs (K = 8)", "tree / chain", "ref / tree"]
     text = markdown_table(header, table)
     print("\n".join(f"{k}: {v}" for k, v in env.items()))
-    print(text)
-    print("wrote", write_results("tree_kernel" + ("-smoke" if smoke else ""), env, rows, text))
+    report("tree_kernel" + ("-smoke" if smoke else ""), env, rows, text)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from bench.common import environment, markdown_table, write_results
+from bench.harness import dtype_for, environment, markdown_table, sync, write_results
 from decode_node.engine import DecodeConfig, DecodeEngine
 from engine.paged_lm import paged_pair
 from engine.proposer import shape_nodes, tree_shape
@@ -86,8 +86,7 @@ def run_request(pair, ids, *, k, candidates, law, temperature, seed, new_tokens,
     start = time.perf_counter()
     while decode.load:
         decode.step()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    sync(device)
     seconds = time.perf_counter() - start
     stats = None
     while not handle.events.empty():
@@ -201,7 +200,7 @@ def main() -> None:
     parser.add_argument("--laws", nargs="+", default=[law.value for law in DraftLaw])
     args = parser.parse_args()
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = dtype_for(args.device)
     pair = load_pair(target_model=args.target_model, draft_layers=args.draft_layers, dtype=dtype, device=args.device)
     pair = paged_pair(pair, args.kv_cache_bytes, eager=not args.device.startswith("cuda"))
     prompts = [pair.tokenizer.encode(p) for p in PROMPTS[: args.prompts]]

@@ -3,8 +3,9 @@ against another in the same run.
 
     python bench/ttft.py --tree . --tree /path/to/another/checkout [--rounds 3]
 
-Each round runs every tree in turn (A B A B ...), each in a fresh worker process importing
-that tree's code: the nodes serve `--target-model` with a `--draft-layers` draft (the
+Each round runs every tree in turn (A B A B ...), each in a fresh worker process: that tree's
+own bench/ttft.py, importing that tree's code (so a tree older than this script's harness is
+measured too, by its own copy of this worker): the nodes serve `--target-model` with a `--draft-layers` draft (the
 `--method` proposer), and N clients (`--concurrency`, 1,8,32) send a P-token prompt each
 (`--prompt-tokens`; distinct random ids, seeded) at once, for 2 new tokens. Per stream: the
 time to the first token (the prefill node's own) and to the second (the decode node's first,
@@ -16,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
@@ -33,7 +32,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import torch
 
-    from bench.speedup import nodes
+    from bench.harness import concurrently, method_nodes, read
     from pdspec.modelspec import ModelSpec
 
     torch.manual_seed(0)
@@ -42,36 +41,25 @@ def worker(args: argparse.Namespace) -> None:
         target_model=args.target_model, draft_layers=args.draft_layers, kv_cache_bytes=args.kv_cache_bytes
     )
     out = {}
-    with nodes(models, args.method, max(concurrency)) as (client, decode):
+    with method_nodes(models, args.method, max(concurrency)) as (client, _, decode):
         vocab = decode.engine.pair.target.vocab_size
         rng = random.Random(args.seed)
 
         def burst(n: int) -> list[tuple[float, float]]:
             """n streams started together: each one's (first, second) token times in seconds."""
             prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(n)]
-            times: list[tuple[float, float]] = [(0.0, 0.0)] * n
             barrier = threading.Barrier(n)
 
-            def one(i: int) -> None:
+            def one(i: int) -> tuple[float, float]:
                 barrier.wait()
-                started = time.perf_counter()
-                arrivals = []
-                for response in client.stream(
-                    prompt_token_ids=prompts[i],
-                    max_new_tokens=2,
-                    greedy=True,
-                    num_speculative_tokens=args.k,
-                    timeout=600,
-                ):
-                    arrivals += [time.perf_counter() - started] * len(response.token_ids)
-                times[i] = (arrivals[0], arrivals[1])
+                ids = prompts[i]
+                call = client.stream(
+                    prompt_token_ids=ids, max_new_tokens=2, greedy=True, num_speculative_tokens=args.k, timeout=600
+                )
+                first, second = read(call).checked().token_times()
+                return first, second
 
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            return times
+            return concurrently(one, n)[0]
 
         burst(max(concurrency))  # warm-up, untimed
         for n in concurrency:
@@ -98,47 +86,41 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        sys.path[0] = os.getcwd()  # the tree under test, not bench/ (whose models.py would shadow models/)
+        sys.path[0] = str(HERE)  # this tree, not bench/ (whose models.py would shadow models/)
         worker(args)
         return
 
     sys.path.insert(0, str(HERE))
-    from bench.common import environment, markdown_table, write_results
+    from bench.harness import commit, environment, markdown_table, write_results
 
     trees = [t.resolve() for t in args.tree or [HERE]]
     passed = [a for a in sys.argv[1:] if a not in {"--tree", *map(str, args.tree or [])}]
     runs: dict[Path, list[dict]] = {tree: [] for tree in trees}
     for round_ in range(args.rounds):
         for tree in trees:
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            command = [sys.executable, str(Path(__file__).resolve()), "--worker", *passed]
-            done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=True)
+            command = [sys.executable, str(tree / "bench" / "ttft.py"), "--worker", *passed]
+            done = subprocess.run(command, cwd=tree, capture_output=True, text=True, check=True)
             runs[tree].append(json.loads(done.stdout.splitlines()[-1]))
             print(f"round {round_ + 1} {tree}: {runs[tree][-1]}", flush=True)
 
     env = environment()
-    env["trees"] = {str(tree): _commit(tree) for tree in trees}
+    names = {tree: commit(tree) for tree in trees}
+    env["trees"] = {str(tree): name for tree, name in names.items()}
     rows, table = [], []
     for n in args.concurrency.split(","):
         row = {"concurrency": int(n)}
         for tree in trees:
             for figure in ("ttft_ms", "second_token_ms"):
-                row[f"{_commit(tree)} {figure}"] = statistics.median(r[n][figure] for r in runs[tree])
+                row[f"{names[tree]} {figure}"] = statistics.median(r[n][figure] for r in runs[tree])
         rows.append(row)
         cells = [n]
         for tree in trees:
-            cells += [f"{row[f'{_commit(tree)} ttft_ms']:.0f}", f"{row[f'{_commit(tree)} second_token_ms']:.0f}"]
+            cells += [f"{row[f'{names[tree]} ttft_ms']:.0f}", f"{row[f'{names[tree]} second_token_ms']:.0f}"]
         table.append(cells)
-    header = ["streams"] + [f"{_commit(t)} {f}" for t in trees for f in ("TTFT ms", "2nd token ms")]
+    header = ["streams"] + [f"{names[t]} {f}" for t in trees for f in ("TTFT ms", "2nd token ms")]
     text = markdown_table(header, table)
     print(text)
     print(write_results("ttft", env, {"args": vars(args) | {"tree": [str(t) for t in trees]}, "rows": rows}, text))
-
-
-def _commit(tree: Path) -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=tree, capture_output=True, text=True).stdout
-    return (done.stdout.strip() or "unknown") + ("-dirty" if dirty.strip() else "")
 
 
 if __name__ == "__main__":

@@ -19,9 +19,7 @@ Writes bench/results/wire-*.json.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
+from bench.harness import environment, markdown_table, median_time, write_results
 from bench.wire_kv import kv_handoff
 from protos import pdspec_pb2, wire
 from protos.codec import decode_tensor
@@ -145,17 +143,6 @@ def page_aligned(size: int) -> np.ndarray:
     return raw[start : start + size]
 
 
-def median_seconds(fn, repeat: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def round_trip() -> tuple[list[dict], str]:
     rows, table = [], []
     for vocab in VOCABS:
@@ -167,11 +154,11 @@ def round_trip() -> tuple[list[dict], str]:
             src, dst = page_aligned(payload), page_aligned(payload)
             src[:] = probs.numpy().reshape(-1).view(np.uint8)
             dst[:] = 0  # touched pages: no first-copy page faults in the baseline
-            memcpy_s = median_seconds(lambda s=src, d=dst: np.copyto(d, s), repeat=100)
+            memcpy_s = median_time(lambda s=src, d=dst: np.copyto(d, s), 100)
             tsrc, tdst = torch.from_numpy(src.copy()), torch.zeros(len(src), dtype=torch.uint8)
-            torch_s = median_seconds(lambda s=tsrc, d=tdst: d.copy_(s), repeat=100)
-            trip_s = median_seconds(lambda p=probs, i=ids: round_trip_once(p, i))
-            zero_s = median_seconds(lambda p=probs, i=ids: zero_copy_once(p, i), repeat=100)
+            torch_s = median_time(lambda s=tsrc, d=tdst: d.copy_(s), 100)
+            trip_s = median_time(lambda p=probs, i=ids: round_trip_once(p, i), 30)
+            zero_s = median_time(lambda p=probs, i=ids: zero_copy_once(p, i), 100)
             rows.append(
                 {
                     "vocab": vocab,
@@ -215,15 +202,12 @@ def round_trip() -> tuple[list[dict], str]:
 def main() -> None:
     import argparse
 
-    import google.protobuf
-    import grpc
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--kv-tokens", default="1024,4096,16384", help='"" skips the KV handoff')
     parser.add_argument("--kv-chunk-bytes", type=int, default=4 << 20)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    env = environment() | {"grpcio": grpc.__version__, "protobuf": google.protobuf.__version__}
+    env = environment()
     size_rows, size_table = proposal_bytes()
     default_rows, default_table = defaults()
     trip_rows, trip_table = round_trip()

@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import grpc
 import torch
 
-from bench.common import environment, heap_in_use, markdown_table, write_results
+from bench.harness import environment, heap_in_use, markdown_table, report
 
 LAYERS, HEADS, DIM = 32, 8, 128  # Llama-3-8B: 32 layers, 8 KV heads of 128
 DTYPE = torch.bfloat16
@@ -67,7 +67,7 @@ def _trim() -> None:
 
 
 class RssSampler(threading.Thread):
-    """Peak private RSS and peak heap in use (bench.common.heap_in_use) since the last reset."""
+    """Peak private RSS and peak heap in use (bench.harness.heap_in_use) since the last reset."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
@@ -133,7 +133,7 @@ def _serve(conn, max_tokens: int, device: str = "cpu") -> None:
             if not streamed:  # what admission does with a message's KV: _claim, then _admit's import
                 with self._lock:
                     self._claim(request)
-                import_tensors(self.pair.target, request.target_state, decode_input.kv_cache)
+                import_tensors(self.pair.target, request.seq.target_state, decode_input.kv_cache)
                 self._ready(request)
             return request
 
@@ -144,7 +144,7 @@ def _serve(conn, max_tokens: int, device: str = "cpu") -> None:
         def _ready(self, request):
             ready = time.monotonic()
             rss, heap = sampler.extra()
-            info = {"ready": ready, "extra": rss, "heap": heap, "tokens": len(request.target_state.tokens)}
+            info = {"ready": ready, "extra": rss, "heap": heap, "tokens": len(request.seq.target_state.tokens)}
             self.cancel(request)
             request.events.put(Event([], finished=True, finish_reason=json.dumps(info)))
 
@@ -344,20 +344,17 @@ def kv_handoff(tokens: list[int], chunk_bytes: int, repeat: int, device: str = "
 def main() -> None:
     import argparse
 
-    import google.protobuf
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--kv-tokens", default="1024,4096,16384")
     parser.add_argument("--kv-chunk-bytes", type=int, default=4 << 20)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="where the decode side's KV pool lives (cuda: H2D import)")
     args = parser.parse_args()
-    env = environment() | {"grpcio": grpc.__version__, "protobuf": google.protobuf.__version__}
+    env = environment()
     print("\n".join(f"{k}: {v}" for k, v in env.items()), flush=True)
     env["pool_device"] = args.device
     rows, table = kv_handoff([int(t) for t in args.kv_tokens.split(",")], args.kv_chunk_bytes, args.repeat, args.device)
-    print(table)
-    print("wrote", write_results("wire_kv", env, rows, table))
+    report("wire_kv", env, rows, table)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The process's heap in use by glibc's count (a small copy of bench/common.py's: tests do not import bench)."""
+"""The process's heap in use by glibc's count (a small copy of bench/harness.py's: tests do not import bench)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,74 @@
+"""bench/gpu_check.py in its --smoke mode on the CPU: the steps asked for run, each under its
+budget, the others are recorded as skipped; the speedup step runs this tree and a baseline
+tree (here the same one) and compares them; one step that overruns its budget is killed and
+the check fails; the results file names the machine, the versions, the commit, the date and
+the command line. The script runs as its own process (tests do not import bench/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+STEPS = ["kernel-tests", "engine-tests", "speedup", "acceptance", "e2e", "serve-tests"]
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    """One smoke run: speedup against a baseline and acceptance; serve-tests with a budget too
+    short for pytest to start; the rest not asked for."""
+    out = tmp_path_factory.mktemp("gpu-check")
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--smoke", "--out", str(out)]
+    command += ["--only", "speedup,acceptance,serve-tests", "--budget", "serve-tests=1", "--baseline-tree", str(ROOT)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # beside the test workers, not spinning against them
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    (results,) = out.glob("gpu-check-cpu-*.json")
+    return done, json.loads(results.read_text()), results
+
+
+def test_the_results_file_names_the_machine_versions_commit_date_and_command(check):
+    _, results, path = check
+    env = results["environment"]
+    for key in ("date", "commit", "command", "python", "torch", "grpcio", "protobuf", "transformers"):
+        assert env[key], key
+    assert env["cpu"] and int(env["cpu_cores"]) >= 1
+    assert "gpu" not in env and env["device"] == "cpu"
+    assert path.name == f"gpu-check-cpu-{env['date'][:10]}-{env['commit']}.json"
+    assert "gpu_check.py" in env["command"] and "--smoke" in env["command"]
+    assert path.with_suffix(".log").read_text().count("=====") == 4  # two speedup runs, acceptance, serve-tests
+
+
+def test_each_step_is_run_skipped_or_killed_at_its_budget(check):
+    done, results, _ = check
+    steps = {s["step"]: s for s in results["rows"]["steps"]}
+    assert list(steps) == STEPS
+    for name in ("kernel-tests", "engine-tests", "e2e"):
+        assert steps[name]["status"] == "skipped" and "--only" in steps[name]["reason"]
+    assert steps["acceptance"]["status"] == "passed", steps["acceptance"].get("output_tail")
+    assert steps["serve-tests"]["status"] == "timeout" and steps["serve-tests"]["seconds"] < 10
+    assert steps["serve-tests"]["budget_s"] == 1 and steps["acceptance"]["budget_s"] > 1
+    assert results["rows"]["passed"] is False and done.returncode == 1
+    rows = steps["acceptance"]["figures"]["rows"]
+    assert [r["k"] for r in rows] == [0, 4] and all(r["outputs_equal_k0"] for r in rows)
+
+
+def test_speedup_runs_both_trees_and_compares_them(check):
+    _, results, _ = check
+    speedup = next(s for s in results["rows"]["steps"] if s["step"] == "speedup")
+    assert speedup["status"] == "passed", speedup.get("output_tail")
+    figures = speedup["figures"]
+    assert [r["tree"] for r in figures["runs"]] == ["this", "baseline"]
+    assert all(r["status"] == "passed" and r["rows"] for r in figures["runs"])
+    comparison = figures["comparison"]
+    assert {(c["config"], c["prompts"]) for c in comparison} == {
+        (config, prompts) for config in ("k0", "prompt-lookup:4") for prompts in ("grounded", "chat")
+    }
+    for row in comparison:
+        assert row["temperature"] == 0 and row["same_steps"] is True  # one tree twice: the same greedy steps
+        assert set(row["speedup_vs_k0"]) == {"this", "baseline"} and row["speedup_ratio"] > 0
