@@ -35,8 +35,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 import grpc
 import torch
 
-from engine.spec_config import SpeculativeConfig
-
 if TYPE_CHECKING:
     from decode_node.engine import DecodeConfig
     from engine.paged_lm import PagedLlamaLM
@@ -567,6 +565,7 @@ def serving_nodes(
     default, point mass); `prefill_options`: PrefillConfig fields (default: every KV in the one
     Decode message)."""
     from decode_node.engine import DecodeConfig
+    from engine.spec_config import SpeculativeConfig
     from pdspec.modelspec import ModelSpec
     from prefill_node.engine import PrefillConfig
     from protos.validation import RequestLimits
@@ -590,6 +589,7 @@ def method_nodes(models: ModelSpec, method: str, max_batch: int) -> contextlib.A
     """nodes() loading `models`, both proposing with `method` as `--speculative-method` does
     (adaptive K at its default: on for prompt-lookup and hybrid)."""
     from decode_node.engine import DecodeConfig
+    from engine.spec_config import SpeculativeConfig
     from prefill_node.engine import PrefillConfig
 
     return nodes(
