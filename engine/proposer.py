@@ -90,10 +90,6 @@ class Drafted:
     parents: list[int]  # [N] parent node, -1 = the last emitted token
     probs: torch.Tensor | None  # [N, Vd] float32, the law each was drawn from; None = point mass
 
-    @property
-    def is_chain(self) -> bool:
-        return all(p == n - 1 for n, p in enumerate(self.parents))
-
 
 @dataclass
 class _Node:
@@ -222,14 +218,6 @@ def _drafted(tree: list[_Node], ids: list[list[int]]) -> Drafted:
         [n.parent for n in tree],
         torch.stack(probs) if tree and probs[0] is not None else None,
     )
-
-
-def draft_span(drafted: Drafted, shape: Sequence[int]) -> int:
-    """How many of the tree's nodes the draft consumed (depths 1..K-1): its open tree."""
-    depth = [0] * len(drafted.parents)
-    for n, parent in enumerate(drafted.parents):
-        depth[n] = 0 if parent < 0 else depth[parent] + 1
-    return sum(1 for d in depth if d < len(shape) - 1)
 
 
 @dataclass(frozen=True)
