@@ -1,12 +1,12 @@
 """All of pdspec's sampling math (docs/design.md §2)."""
 
 from sampling.d2t import DraftToTargetMap, map_draft_probs_to_target
+from sampling.filtering import point_mass
 from sampling.params import SamplingParams, SamplingTensors
 from sampling.proposal import (
     CandidateSample,
     DraftLaw,
     DraftSample,
-    point_mass,
     propose,
     propose_candidates,
     propose_point_mass,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from sampling.categorical import inverse_cdf_sample
-from sampling.filtering import filtered_probs
+from sampling.filtering import filtered_probs, point_mass
 from sampling.params import SamplingTensors
 
 
@@ -32,13 +32,6 @@ class DraftLaw(enum.Enum):
 class DraftSample:
     token_ids: torch.Tensor  # [B] int64, draft-vocab ids
     probs: torch.Tensor | None  # [B, Vd] float32, or None = point mass at token_ids
-
-
-def point_mass(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[...] int64 ids -> [..., V] float32 one-hot rows: a point mass's law written densely, where
-    a dense distribution is expected (the one place such rows are built)."""
-    rows = torch.zeros(*token_ids.shape, vocab_size, dtype=torch.float32, device=token_ids.device)
-    return rows.scatter_(-1, token_ids.long()[..., None], 1.0)
 
 
 def propose_point_mass(logits: torch.Tensor) -> DraftSample:
