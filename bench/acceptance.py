@@ -55,7 +55,7 @@ from bench.common import environment, markdown_table, write_results
 from bench.gpu_e2e import random_model, sync
 from decode_node.engine import DecodeConfig, DecodeEngine
 from engine.paged_lm import bytes_per_token, paged_pair, pool_bytes_for
-from engine.proposer import DRAFT, NO_PROPOSAL, Plan, Proposal, Proposer, Row
+from engine.proposer import Plan, Proposer, Row
 from engine.sequence import Stats
 from models.llama import layer_skip_draft
 from models.pair import ModelPair
@@ -64,7 +64,7 @@ from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
 from protos.validation import DecodeInput, Receiver, validate_decode_request
 from sampling import DraftToTargetMap
-from sampling.proposal import DraftLaw
+from sampling.proposal import DRAFT, NO_PROPOSAL, DraftLaw, Proposal
 
 SIGMAS = 4.5  # how far the per-draft acceptance may be from α, in binomial standard deviations
 

@@ -37,7 +37,7 @@ from engine.adaptive import AdaptiveK, BatchGate, StepCosts, calibrate
 from engine.device import on_device
 from engine.options import SPECULATIVE_METHODS
 from engine.prompt_lookup import check_lookup_range
-from engine.proposer import DRAFT, LOOKUP, PREFILL, Plan, Proposal, Proposer, check_tree_limits
+from engine.proposer import Plan, Proposer, check_tree_limits
 from engine.sequence import Sequence, Stats
 from models.base import import_tensors
 from models.pair import ModelPair
@@ -45,7 +45,7 @@ from pdspec.metrics import NodeMetrics
 from protos.validation import DecodeInput
 from sampling import RequestRng, Verifier
 from sampling.logprobs import TokenLogprob
-from sampling.proposal import DraftLaw
+from sampling.proposal import DRAFT, LOOKUP, PREFILL, DraftLaw, Proposal
 from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
@@ -181,9 +181,6 @@ class DecodeEngine:
         """A request's sequence, every default resolved: prompt + the prefill node's first token,
         the budget, the stop rule, its K and candidates, its generator and what it drafts with."""
         config, k = self.config, decode_input.num_speculative_tokens
-        ids = decode_input.draft_token_ids.tolist()
-        parents = decode_input.draft_parents or list(range(-1, len(ids) - 1))
-        received = Proposal(ids, parents, decode_input.draft_probs, PREFILL)  # moved to the device when verified
         return Sequence(
             prompt=decode_input.prompt_token_ids,
             params=decode_input.params,
@@ -197,7 +194,7 @@ class DecodeEngine:
             method=config.speculative_method,
             history=[*decode_input.prompt_token_ids, decode_input.first_token_id],
             spec=AdaptiveK(k) if config.adaptive and k else None,
-            received=received,
+            received=decode_input.proposal,  # its law is moved to the device when verified
         )
 
     def submit(self, decode_input: DecodeInput, *, streamed: bool = False) -> Request:

@@ -45,12 +45,8 @@ from engine.prompt_lookup import ContextIndex, chains_to_tree, check_lookup_rang
 from models.base import CausalLM, State
 from models.pair import ModelPair
 from sampling import DraftToTargetMap, RequestRng, SamplingParams, SamplingTensors, point_mass, propose_candidates
-from sampling.proposal import DraftLaw
+from sampling.proposal import DRAFT, LOOKUP, NO_PROPOSAL, Drafted, DraftLaw, Proposal
 from sampling.tree import MAX_TREE_NODES
-
-DRAFT, LOOKUP = "draft", "prompt-lookup"  # a proposal's source
-PROPOSAL_SOURCES = (DRAFT, LOOKUP)
-PREFILL = "prefill"  # the source of the proposal a decode node receives: the prefill node's
 
 
 def tree_shape(depth: int, candidates: int, max_nodes: int = MAX_TREE_NODES) -> tuple[int, ...]:
@@ -79,16 +75,6 @@ def check_tree_limits(max_draft_candidates: int, max_tree_nodes: int) -> None:
 def shape_nodes(shape: Sequence[int]) -> int:
     """Nodes of the full tree of this shape."""
     return sum(math.prod(shape[: d + 1]) for d in range(len(shape)))
-
-
-@dataclass(frozen=True)
-class Drafted:
-    """One request's proposal tree (breadth-first, siblings in draw order)."""
-
-    draft_ids: list[int]  # [N] DRAFT-vocabulary ids
-    target_ids: list[int]  # [N] the same tokens as TARGET ids (d2t)
-    parents: list[int]  # [N] parent node, -1 = the last emitted token
-    probs: torch.Tensor | None  # [N, Vd] float32, the law each was drawn from; None = point mass
 
 
 @dataclass
@@ -218,35 +204,6 @@ def _drafted(tree: list[_Node], ids: list[list[int]]) -> Drafted:
         [n.parent for n in tree],
         torch.stack(probs) if tree and probs[0] is not None else None,
     )
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """One row's proposal in TARGET space, whatever made it: what the verifier reads."""
-
-    token_ids: list[int]  # [N] target ids, breadth-first, siblings in draw order
-    parents: list[int]  # [N] parent node, -1 = the last emitted token
-    probs: torch.Tensor | None  # [N, Vt] the law each node was drawn from; None = point mass
-    source: str = DRAFT  # DRAFT, LOOKUP or PREFILL
-    drafted: Drafted | None = None  # the draft model's draw in draft space (what DENSE / SPARSE ship)
-
-    @property
-    def is_chain(self) -> bool:
-        return all(p == n - 1 for n, p in enumerate(self.parents))
-
-    @property
-    def depth(self) -> int:
-        levels: list[int] = []
-        for parent in self.parents:
-            levels.append(1 if parent < 0 else levels[parent] + 1)
-        return max(levels, default=0)
-
-    def rank(self, node: int) -> int:
-        """The node's place among its siblings (0 = drawn first)."""
-        return node - self.parents.index(self.parents[node])
-
-
-NO_PROPOSAL = Proposal([], [], None)
 
 
 class Row(Protocol):
@@ -390,7 +347,4 @@ class Proposer:
             SamplingTensors.from_params([row.params for row in rows], device),
             to_device(uniforms, device),  # [R, N_max], zero padded
         )
-        return [
-            Proposal(d.target_ids, d.parents, None if d.probs is None else self.d2t.map_probs(d.probs), DRAFT, d)
-            for d in drafted
-        ]
+        return [self.d2t.proposal(d.target_ids, d.parents, d.probs, source=DRAFT, drafted=d) for d in drafted]

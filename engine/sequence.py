@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from engine.adaptive import AdaptiveK
 from engine.prompt_lookup import ContextIndex
-from engine.proposer import LOOKUP, Proposal
 from models.base import State
 from sampling import RequestRng, SamplingParams
+from sampling.proposal import LOOKUP, Proposal
 
 
 def finish_reason(token: int, eos: Collection[int], stop: Collection[int], emitted: int, budget: int) -> str:

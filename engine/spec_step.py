@@ -25,10 +25,10 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from common.transfer import to_device
-from engine.proposer import NO_PROPOSAL, Plan, Proposal, Proposer
+from engine.proposer import Plan, Proposer
 from engine.sequence import Sequence
 from models.base import CausalLM
-from sampling import Verifier, point_mass
+from sampling import NO_PROPOSAL, Proposal, Verifier, point_mass
 from sampling.logprobs import TokenLogprob, token_logprobs
 
 

@@ -25,7 +25,7 @@ from common.transfer import HostCopy
 from engine.device import on_device
 from engine.options import SPECULATIVE_METHODS
 from engine.prompt_lookup import check_lookup_range
-from engine.proposer import DRAFT, Proposal, Proposer, check_tree_limits
+from engine.proposer import Proposer, check_tree_limits
 from engine.sequence import Sequence
 from models.pair import ModelPair
 from protos import pdspec_pb2
@@ -43,7 +43,7 @@ from protos.validation import (
 from protos.wire import WireDecodeRequest, kv_manifest
 from sampling import RequestRng, SamplingParams, SamplingTensors, sample_target
 from sampling.logprobs import TokenLogprob, token_logprobs
-from sampling.proposal import DraftLaw
+from sampling.proposal import DRAFT, DraftLaw, Proposal
 from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)

@@ -4,9 +4,12 @@ from sampling.d2t import DraftToTargetMap, map_draft_probs_to_target
 from sampling.filtering import point_mass
 from sampling.params import SamplingParams, SamplingTensors
 from sampling.proposal import (
+    NO_PROPOSAL,
     CandidateSample,
+    Drafted,
     DraftLaw,
     DraftSample,
+    Proposal,
     propose,
     propose_candidates,
     propose_point_mass,
@@ -20,10 +23,13 @@ from sampling.verifier import StepStats, Verifier, VerifyResult
 
 __all__ = [
     "MAX_TREE_NODES",
+    "NO_PROPOSAL",
     "CandidateSample",
     "DraftLaw",
     "DraftSample",
     "DraftToTargetMap",
+    "Drafted",
+    "Proposal",
     "RejectionSampler",
     "RequestRng",
     "SamplingParams",

@@ -5,11 +5,11 @@ its proposals, and a greedy request still emits its K = 0 tokens."""
 from __future__ import annotations
 
 from decode_node.engine import DecodeConfig, DecodeEngine
-from engine.proposer import DRAFT, LOOKUP, NO_PROPOSAL, Proposal, Proposer
+from engine.proposer import Proposer
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
 from protos.validation import Receiver, validate_decode_request
-from sampling.proposal import DraftLaw
+from sampling.proposal import DRAFT, LOOKUP, NO_PROPOSAL, DraftLaw, Proposal
 
 
 class Repeating(Proposer):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from engine.prompt_lookup import ContextIndex
-from engine.proposer import LOOKUP, NO_PROPOSAL, Proposal
 from engine.sequence import Sequence
 from engine.spec_step import SpecMetadata
-from sampling import RequestRng, SamplingParams, point_mass
+from sampling import NO_PROPOSAL, Proposal, RequestRng, SamplingParams, point_mass
+from sampling.proposal import LOOKUP
 
 EOS, STOP = 9, 7
 
