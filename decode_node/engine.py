@@ -43,7 +43,7 @@ from models.base import import_tensors
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 from protos.validation import DecodeInput
-from sampling import RequestRng, Verifier
+from sampling import RequestRng, Verifier, VerifyBatch
 from sampling.logprobs import TokenLogprob
 from sampling.proposal import DRAFT, LOOKUP, PREFILL, DraftLaw, Proposal
 from sampling.tree import MAX_TREE_NODES
@@ -584,12 +584,13 @@ class DecodeEngine:
         slots = [len(state.tokens) - 1 for state in states]
         no_drafts = torch.empty(len(seqs), 0, dtype=torch.int64)
         result = self.verifier.verify(
-            no_drafts,
-            None,
+            VerifyBatch(
+                no_drafts,
+                positions=[len(r.seq.history) + (r in carried) for r in requests],  # a carried row's token is unread
+            ),
             torch.stack(logits).to(self.verifier.device),
             [s.params for s in seqs],
             [s.rng for s in seqs],
-            [len(r.seq.history) + (r in carried) for r in requests],  # a carried row's token is still unread
         )
         sampled = result.output_token_ids[:, 0].to(torch.int64)  # [B]: K = 0 emits one token per row
         # its own stream: not behind a KV export's copies (a prefill node in the same process)

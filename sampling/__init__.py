@@ -1,5 +1,6 @@
 """All of pdspec's sampling math (docs/design.md §2)."""
 
+from sampling.batch import ChainInputs, TreeInputs, VerifyBatch
 from sampling.d2t import DraftToTargetMap, map_draft_probs_to_target
 from sampling.filtering import point_mass
 from sampling.params import SamplingParams, SamplingTensors
@@ -25,6 +26,7 @@ __all__ = [
     "MAX_TREE_NODES",
     "NO_PROPOSAL",
     "CandidateSample",
+    "ChainInputs",
     "DraftLaw",
     "DraftSample",
     "DraftToTargetMap",
@@ -36,8 +38,10 @@ __all__ = [
     "SamplingTensors",
     "StepStats",
     "TargetSample",
+    "TreeInputs",
     "TreeResult",
     "Verifier",
+    "VerifyBatch",
     "VerifyResult",
     "batch_uniforms",
     "map_draft_probs_to_target",
