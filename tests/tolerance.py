@@ -45,9 +45,19 @@ def bound(want: torch.Tensor, steps: float, dtype: torch.dtype | None = None) ->
 
 
 def assert_fp_close(got: torch.Tensor, want: torch.Tensor, steps: float, dtype: torch.dtype | None = None) -> float:
-    """Assert max |got - want| <= bound(want, steps, dtype); returns the difference."""
+    """Assert max |got - want| <= bound(want, steps, dtype) over the finite entries of `want`, and
+    that its infinite entries (logits a vocabulary mask sets to -inf) are exactly those of `got`;
+    returns the difference."""
     assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
-    diff = float((got.detach().double() - want.detach().double()).abs().max()) if want.numel() else 0.0
+    infinite = torch.isinf(want)
+    if bool(infinite.any()):
+        assert torch.equal(torch.isinf(got), infinite) and torch.equal(got[infinite], want[infinite]), (
+            "the infinite entries differ"
+        )
+        got, want = got[~infinite], want[~infinite]
+    if not want.numel():
+        return 0.0
+    diff = float((got.detach().double() - want.detach().double()).abs().max())
     limit = bound(want, steps, dtype)
     assert diff <= limit, (
         f"max |got - want| = {diff:.3e} > {limit:.3e} "
