@@ -583,11 +583,9 @@ class DecodeEngine:
         logits = self.pair.target.extend_batch(states, [[UNREAD]] * len(seqs), device_tokens=tokens)  # no tree
         slots = [len(state.tokens) - 1 for state in states]
         no_drafts = torch.empty(len(seqs), 0, dtype=torch.int64)
+        positions = [len(r.seq.history) + (r in carried) for r in requests]  # a carried row's token is still unread
         result = self.verifier.verify(
-            VerifyBatch(
-                no_drafts,
-                positions=[len(r.seq.history) + (r in carried) for r in requests],  # a carried row's token is unread
-            ),
+            VerifyBatch(no_drafts, positions=positions),
             torch.stack(logits).to(self.verifier.device),
             [s.params for s in seqs],
             [s.rng for s in seqs],

@@ -122,13 +122,13 @@ class Verifier:
         rows = batch.rows
         if len(params) != rows or len(rngs) != rows:
             raise ValueError(f"params/rngs: expected {rows} entries each, got {len(params)} and {len(rngs)}")
-        if batch.chain:
-            logits = torch.stack(list(target_logits)) if not isinstance(target_logits, torch.Tensor) else target_logits
-            logits = logits.to(self.device)
+        if isinstance(target_logits, torch.Tensor):
+            logits = target_logits
+        elif batch.chain:
+            logits = torch.stack(list(target_logits))
         else:
-            if not isinstance(target_logits, torch.Tensor):
-                target_logits = pad_sequence(list(target_logits), batch_first=True)  # 0 past a row
-            logits = target_logits.to(self.device, torch.float32)
+            logits = pad_sequence(list(target_logits), batch_first=True)  # 0 past a row
+        logits = logits.to(self.device) if batch.chain else logits.to(self.device, torch.float32)
         if logits.dim() != 3 or tuple(logits.shape[:2]) != (rows, batch.nodes + 1):
             raise ValueError(f"target_logits: expected shape [{rows}, {batch.nodes + 1}, Vt], got {list(logits.shape)}")
         coupled = _coupled(params, batch.positions, rows)
