@@ -112,7 +112,7 @@ class Verifier:
         after its last emitted token and after each node, target_logits [B, N+1, Vt] (any float
         dtype), or B tensors [N_b+1, Vt] (stacked; padded with zeros for trees). params and rngs:
         one per row. Chains (`batch.chain`) take the chain kernel, anything else the tree
-        kernel (engine/proposer.py's layout), one launch for the batch either way.
+        kernel (sampling/proposal.py's layout), one launch for the batch either way.
 
         batch.positions[b]: the sequence position of row b's first target token, for a row
         verified by coupling (its proposal must be a point mass); a coupled tree row's context
