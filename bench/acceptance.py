@@ -53,13 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import dtype_for, environment, markdown_table, random_model, random_pair, report, sync
 from decode_node.engine import DecodeConfig, DecodeEngine
 from engine.paged_lm import bytes_per_token, paged_pair, pool_bytes_for
-from engine.proposer import DRAFT, NO_PROPOSAL, Plan, Proposal, Proposer, Row
+from engine.proposer import Plan, Proposer, Row
 from engine.sequence import Stats
 from engine.spec_config import SpeculativeConfig
 from models.pair import ModelPair
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
 from protos.validation import DecodeInput, Receiver, validate_decode_request
+from sampling.proposal import DRAFT, NO_PROPOSAL, Proposal
 from sampling.tree import MAX_TREE_NODES
 
 SIGMAS = 4.5  # how far the per-draft acceptance may be from α, in binomial standard deviations

@@ -27,7 +27,7 @@ from engine import spec_step
 from engine.adaptive import StepCosts
 from engine.device import on_device
 from engine.options import ASYNC_SCHEDULING
-from engine.proposer import PREFILL, Proposal, Proposer
+from engine.proposer import Proposer
 from engine.proposers import proposer_for
 from engine.sequence import Sequence
 from engine.spec_config import SpeculativeConfig
@@ -38,6 +38,7 @@ from pdspec.metrics import NodeMetrics
 from protos.validation import DecodeInput
 from sampling import Verifier
 from sampling.logprobs import TokenLogprob
+from sampling.proposal import PREFILL, Proposal
 
 log = logging.getLogger(__name__)
 

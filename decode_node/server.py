@@ -23,7 +23,6 @@ import pdspec
 from decode_node.engine import DecodeConfig, DecodeEngine
 from decode_node.request import Event, QueueFull, Request
 from engine.paged_lm import kv_pool_bytes, paged_pair
-from engine.proposer import PROPOSAL_SOURCES
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics, SummaryLogger
 from pdspec.modelspec import ModelSpec, backends, model_dtype
@@ -44,6 +43,7 @@ from protos.validation import (
     validate_decode_request,
 )
 from protos.wire import ParsedChunk, ParsedDecodeRequest
+from sampling.proposal import PROPOSAL_SOURCES
 
 log = logging.getLogger(__name__)
 SERVICE = pdspec_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
@@ -312,7 +312,7 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
             problem = Violation(
                 "proposal.token_ids",
                 f"a proposal within the {handle.kv_need} KV positions reserved for the header",
-                f"{len(result.draft_token_ids)} nodes ({needed} positions)",
+                f"{len(result.proposal.token_ids)} nodes ({needed} positions)",
             )
             self._reject([problem], handle.input.request_id, context, outcome)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from models.base import CausalLM
-from sampling import RequestRng, SamplingParams, Verifier
+from sampling import RequestRng, SamplingParams, Verifier, VerifyBatch
 
 PRIOR = 0.5  # acceptance assumed before a request has shown any
 PRIOR_WEIGHT = 1.0  # observations the prior is worth
@@ -249,7 +249,7 @@ def calibrate(target: CausalLM, draft: CausalLM | None, verifier: Verifier, max_
 
         def verify(logits: list[torch.Tensor], k: int):
             drafts = torch.ones(1, k, dtype=torch.int64)
-            return verifier.verify(drafts, None, torch.stack(logits).to(verifier.device), [params], [rng])
+            return verifier.verify(VerifyBatch(drafts), torch.stack(logits).to(verifier.device), [params], [rng])
 
         def verify_step(k: int) -> None:
             verify(target.extend_tree([state], [[1] * (k + 1)], [list(range(-1, k))]), k).host()

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from common.transfer import to_device
-from engine.proposer import DRAFT, NO_PROPOSAL, Drafted, Plan, Proposal, Row, shape_nodes, tree_shape
+from engine.proposer import Plan, Row, shape_nodes, tree_shape
 from models.base import CausalLM, State
 from sampling import DraftToTargetMap, SamplingTensors, point_mass, propose_candidates
-from sampling.proposal import DraftLaw
+from sampling.proposal import DRAFT, NO_PROPOSAL, Drafted, DraftLaw, Proposal
 from sampling.tree import MAX_TREE_NODES
 
 
@@ -239,7 +239,4 @@ class DraftModelProposer:
             SamplingTensors.from_params([row.params for row in rows], device),
             to_device(uniforms, device),  # [R, N_max], zero padded
         )
-        return [
-            Proposal(d.target_ids, d.parents, None if d.probs is None else self.d2t.map_probs(d.probs), DRAFT, d)
-            for d in drafted
-        ]
+        return [self.d2t.proposal(d.target_ids, d.parents, d.probs, source=DRAFT, drafted=d) for d in drafted]

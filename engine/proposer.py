@@ -27,16 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from engine.prompt_lookup import ContextIndex
 from models.base import State
-from sampling import RequestRng, SamplingParams
+from sampling import Proposal, RequestRng, SamplingParams
 from sampling.tree import MAX_TREE_NODES
-
-DRAFT, LOOKUP = "draft", "prompt-lookup"  # a proposal's source
-PROPOSAL_SOURCES = (DRAFT, LOOKUP)
-PREFILL = "prefill"  # the source of the proposal a decode node receives: the prefill node's
 
 
 def tree_shape(depth: int, candidates: int, max_nodes: int = MAX_TREE_NODES) -> tuple[int, ...]:
@@ -57,45 +51,6 @@ def tree_shape(depth: int, candidates: int, max_nodes: int = MAX_TREE_NODES) -> 
 def shape_nodes(shape: Sequence[int]) -> int:
     """Nodes of the full tree of this shape."""
     return sum(math.prod(shape[: d + 1]) for d in range(len(shape)))
-
-
-@dataclass(frozen=True)
-class Drafted:
-    """One request's proposal tree as a draft model drew it (breadth-first, siblings in draw order)."""
-
-    draft_ids: list[int]  # [N] DRAFT-vocabulary ids
-    target_ids: list[int]  # [N] the same tokens as TARGET ids (d2t)
-    parents: list[int]  # [N] parent node, -1 = the last emitted token
-    probs: torch.Tensor | None  # [N, Vd] float32, the law each was drawn from; None = point mass
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """One row's proposal in TARGET space, whatever made it: what the verifier reads."""
-
-    token_ids: list[int]  # [N] target ids, breadth-first, siblings in draw order
-    parents: list[int]  # [N] parent node, -1 = the last emitted token
-    probs: torch.Tensor | None  # [N, Vt] the law each node was drawn from; None = point mass
-    source: str = DRAFT  # DRAFT, LOOKUP or PREFILL
-    drafted: Drafted | None = None  # the draft model's draw in draft space (what DENSE / SPARSE ship)
-
-    @property
-    def is_chain(self) -> bool:
-        return all(p == n - 1 for n, p in enumerate(self.parents))
-
-    @property
-    def depth(self) -> int:
-        levels: list[int] = []
-        for parent in self.parents:
-            levels.append(1 if parent < 0 else levels[parent] + 1)
-        return max(levels, default=0)
-
-    def rank(self, node: int) -> int:
-        """The node's place among its siblings (0 = drawn first)."""
-        return node - self.parents.index(self.parents[node])
-
-
-NO_PROPOSAL = Proposal([], [], None)
 
 
 class Row(Protocol):

@@ -7,9 +7,10 @@ from collections.abc import Sequence
 
 from engine.draft_model import DraftModelProposer
 from engine.prompt_lookup import ContextIndex, chains_to_tree
-from engine.proposer import LOOKUP, NO_PROPOSAL, Plan, Proposal, Proposer, Row
+from engine.proposer import Plan, Proposer, Row
 from engine.spec_config import SpeculativeConfig
 from models.pair import ModelPair
+from sampling.proposal import LOOKUP, NO_PROPOSAL, Proposal
 from sampling.tree import MAX_TREE_NODES
 
 HYBRID = "hybrid"

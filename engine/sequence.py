@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from engine.adaptive import AdaptiveK
 from engine.prompt_lookup import ContextIndex
-from engine.proposer import LOOKUP, PREFILL, Proposal
 from models.base import State
 from protos.validation import DecodeInput
 from sampling import RequestRng, SamplingParams
+from sampling.proposal import LOOKUP, Proposal
 
 
 def finish_reason(token: int, eos: Collection[int], stop: Collection[int], emitted: int, budget: int) -> str:
@@ -124,8 +124,6 @@ class Sequence:
         token, the budget (`default_budget` where the client gave none), the stop rule, its K and
         candidates, its generator (stream "decode") and the proposal it came with (verified at its
         first step, its law moved to the device then)."""
-        ids = decode_input.draft_token_ids.tolist()
-        parents = decode_input.draft_parents or list(range(-1, len(ids) - 1))
         return cls(
             prompt=decode_input.prompt_token_ids,
             params=decode_input.params,
@@ -138,7 +136,7 @@ class Sequence:
             logprobs=decode_input.logprobs,
             method=method,
             history=[*decode_input.prompt_token_ids, decode_input.first_token_id],
-            received=Proposal(ids, parents, decode_input.draft_probs, PREFILL),
+            received=decode_input.proposal,
         )
 
     def kv_need(self, proposal_nodes: int) -> int:

@@ -2,13 +2,12 @@
 
 1. `propose`: each sequence's proposal in TARGET space: the one that came with it on its first
    step (the prefill node's), else the proposer's of the depth the scheduler chose.
-2. `SpecMetadata.build`: the batch's proposals in the verifier's layout, once (vLLM's
-   SpecDecodeMetadata): padded ids, tree parents, node counts, the laws (a point mass written
-   densely only where another row of the batch is dense) and the coupling positions.
-3. `verify`: ONE target forward over [last token, nodes...] of every row (tree attention), ONE
-   rejection-sampling launch (the chain kernel for chains of one depth and one law, else the
-   tree kernel), and the step's one device -> host read.
-4. Accept: each row's accepted path becomes history in both models (`accept_tree`), every
+2. `verify`: ONE target forward over [last token, nodes...] of every row (tree attention); the
+   batch's proposals in the verifier's layout, once (`sampling.VerifyBatch.build`, vLLM's
+   SpecDecodeMetadata: padded ids, tree parents, node counts, the laws and the coupling
+   positions); ONE rejection-sampling launch (`Verifier.verify`: the chain kernel for chains of
+   one depth and one law, else the tree kernel), and the step's one device -> host read.
+3. Accept: each row's accepted path becomes history in both models (`accept_tree`), every
    other node's KV is dropped.
 The scheduler then appends the emitted tokens to the sequences (`Sequence.append`).
 
@@ -27,13 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from common.transfer import HostCopy, to_device, to_host_async
-from engine.proposer import NO_PROPOSAL, Plan, Proposal, Proposer
+from engine.proposer import Plan, Proposer
 from engine.sequence import Sequence
 from models.base import CausalLM
-from sampling import Verifier, point_mass
+from sampling import NO_PROPOSAL, Proposal, Verifier, VerifyBatch
 from sampling.logprobs import TokenLogprob, token_logprobs
 
 
@@ -65,46 +63,6 @@ def propose(
 
 
 @dataclass(frozen=True)
-class SpecMetadata:
-    """A step's proposals in the verifier's layout."""
-
-    draft_token_ids: torch.Tensor  # [B, N] int64 target ids, 0 past a row's nodes
-    parents: torch.Tensor | None  # [B, N] int64 (-1: the last emitted token, and past a row); None: chains
-    num_nodes: list[int]  # [B]
-    draft_probs: torch.Tensor | None  # [B, N, Vt] float32 on the sampler's device; None: all point masses
-    positions: list[int | None]  # [B] a coupled row's first target position (point-mass rows)
-
-    @property
-    def chain(self) -> bool:
-        """Chains of one depth and one law: the chain kernel verifies them."""
-        return self.parents is None
-
-    @classmethod
-    def build(
-        cls, seqs: list[Sequence], proposals: list[Proposal], vocab_size: int, device: torch.device
-    ) -> SpecMetadata:
-        sizes = [len(p.token_ids) for p in proposals]
-        n = max(sizes)
-        dense = [p.probs is not None for p in proposals]
-        # Point-mass proposals (and none) verify by coupling: each token is the one a K = 0 step
-        # would draw at its position, so a seeded row's tokens do not depend on K.
-        positions = [None if d else len(s.history) for s, d in zip(seqs, dense, strict=True)]
-        ids = torch.tensor([[*p.token_ids, *[0] * (n - len(p.token_ids))] for p in proposals], dtype=torch.int64)
-        ids = ids.view(len(proposals), n)  # [B, N] also when every row is empty
-        if all(p.is_chain for p in proposals) and len(set(sizes)) == 1 and len(set(dense)) == 1:
-            probs = torch.stack([p.probs for p in proposals]).to(device) if dense[0] else None
-            return cls(ids, None, sizes, probs, positions)
-        parents = torch.tensor([[*p.parents, *[-1] * (n - len(p.parents))] for p in proposals], dtype=torch.int64)
-        probs = None
-        if any(dense):  # one launch for both laws: a point mass as one-hot rows
-            probs = point_mass(ids.to(device), vocab_size)  # [B, N, Vt]
-            for b, p in enumerate(proposals):
-                if p.probs is not None and p.token_ids:
-                    probs[b, : len(p.token_ids)] = p.probs
-        return cls(ids, parents.view(len(proposals), n), sizes, probs, positions)
-
-
-@dataclass(frozen=True)
 class Verified:
     """One row's outcome."""
 
@@ -129,23 +87,8 @@ def verify(
     tree = [[-1, *(q + 1 for q in p.parents)] for p in proposals]  # the last token is tree token 0
     logits = target.extend_tree([s.target_state for s in seqs], feeds, tree)  # B x [N_b+1, Vt]
     device = verifier.device
-    meta = SpecMetadata.build(seqs, proposals, target.vocab_size, device)
-    params, rngs = [s.params for s in seqs], [s.rng for s in seqs]
-    if meta.chain:
-        result = verifier.verify(
-            meta.draft_token_ids, meta.draft_probs, torch.stack(logits).to(device), params, rngs, meta.positions
-        )
-    else:
-        result = verifier.verify_tree(
-            meta.draft_token_ids,
-            meta.parents,
-            meta.num_nodes,
-            meta.draft_probs,
-            pad_sequence(logits, batch_first=True).to(device, torch.float32),  # [B, N+1, Vt], 0 past a row
-            params,
-            rngs,
-            meta.positions,
-        )
+    batch = VerifyBatch.build(proposals, [len(s.history) for s in seqs], target.vocab_size, device)
+    result = verifier.verify(batch, logits, [s.params for s in seqs], [s.rng for s in seqs])
     launched()
     emitted, paths = result.host()
     if paths is None:  # chains: the accepted nodes are the first ones
@@ -198,13 +141,10 @@ def queue_plain(
     states = [s.target_state for s in seqs]
     logits = target.extend_batch(states, [[UNREAD]] * len(seqs), device_tokens=tokens)  # no tree
     slots = [len(state.tokens) - 1 for state in states]
+    positions = [len(s.history) + (at is not None) for s, at in zip(seqs, carried, strict=True)]  # carried: unread
+    no_drafts = VerifyBatch(torch.empty(len(seqs), 0, dtype=torch.int64), positions=positions)
     result = verifier.verify(
-        torch.empty(len(seqs), 0, dtype=torch.int64),  # no drafts
-        None,
-        torch.stack(logits).to(verifier.device),
-        [s.params for s in seqs],
-        [s.rng for s in seqs],
-        [len(s.history) + (at is not None) for s, at in zip(seqs, carried, strict=True)],  # a carried token is unread
+        no_drafts, torch.stack(logits).to(verifier.device), [s.params for s in seqs], [s.rng for s in seqs]
     )
     sampled = result.output_token_ids[:, 0].to(torch.int64)  # [B]: K = 0 emits one token per row
     # its own stream: not behind a KV export's copies (a prefill node in the same process)

@@ -23,7 +23,6 @@ import torch
 
 from common.transfer import HostCopy
 from engine.device import on_device
-from engine.proposer import Proposal
 from engine.proposers import proposer_for
 from engine.sequence import Sequence
 from engine.spec_config import SpeculativeConfig
@@ -43,7 +42,7 @@ from protos.validation import (
 from protos.wire import WireDecodeRequest, kv_manifest
 from sampling import RequestRng, SamplingParams, SamplingTensors, sample_target
 from sampling.logprobs import TokenLogprob, token_logprobs
-from sampling.proposal import DraftLaw
+from sampling.proposal import DraftLaw, Proposal
 
 log = logging.getLogger(__name__)
 

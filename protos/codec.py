@@ -65,14 +65,6 @@ def dtype_name(data_type: int) -> str:
     return DataType.Name(data_type) if data_type in DataType.values() else str(data_type)
 
 
-def wire_nbytes(pb: pdspec_pb2.TensorPB) -> int | None:
-    """prod(shape) * itemsize for a known dtype and non-negative dims, else None."""
-    dtype = TORCH_DTYPES.get(pb.data_type)
-    if dtype is None or any(d < 0 for d in pb.shape):
-        return None
-    return math.prod(pb.shape) * dtype.itemsize
-
-
 def check_tensor(pb: pdspec_pb2.TensorPB) -> None:
     """Raise TensorDecodeError unless the dtype is known, dims are >= 0 and the byte
     length matches the shape. Integer arithmetic on the declared shape: nothing sized by

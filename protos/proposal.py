@@ -20,7 +20,8 @@ import torch
 
 from protos import pdspec_pb2
 from protos.codec import encode_tensor
-from sampling.proposal import DraftLaw, point_mass
+from sampling.filtering import point_mass
+from sampling.proposal import DraftLaw
 
 Encoding = pdspec_pb2.Proposal.Encoding
 

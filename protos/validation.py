@@ -1,13 +1,13 @@
 """Validation of a DecodeRequest at the decode boundary (docs/design.md §3 table).
 
 Pure functions, no gRPC: `validate_decode_request` returns either a `DecodeInput`
-(everything `rejection_sample` and the decode engine need, in target-vocabulary space)
+(everything the decode engine needs; its proposal a target-space `sampling.Proposal`)
 or a list of `Violation`s (field path, expected, actual, status). Sizes are checked
 against len(data) with integer arithmetic before any tensor is allocated, so the only
 allocations driven by the message are the decoded tensors themselves (bounded by the
 message size) and the target-space probabilities (bounded by the node's K_max x V).
-The draft -> target vocabulary mapping is sampling's (`DraftToTargetMap`): the receiver's
-map is applied here, never re-implemented.
+The draft -> target vocabulary mapping is sampling's (`DraftToTargetMap.proposal`): the
+receiver's map is applied there, never re-implemented here.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from common.transfer import Buffer
 from protos import pdspec_pb2
 from protos.codec import TORCH_DTYPES, WIRE_DTYPES, TensorDecodeError, decode_tensor, dtype_name
 from protos.contract import Contract
-from sampling import DraftToTargetMap, SamplingParams
+from sampling import DraftToTargetMap, Proposal, SamplingParams
 from sampling.params import InvalidParameter
+from sampling.proposal import PREFILL
 from sampling.tree import MAX_TREE_NODES
 
 Encoding = pdspec_pb2.Proposal.Encoding
@@ -119,12 +120,14 @@ class DecodeInput:
     params: SamplingParams
     max_new_tokens: int  # the client's total (0 = server default)
     stop_token_ids: list[int]
-    draft_token_ids: torch.Tensor  # [N] int64, target ids (K for a chain)
-    draft_probs: torch.Tensor | None  # [N, Vt] float32 target space; None = point mass
+    # The prefill's proposal in TARGET space (source PREFILL): N target ids (K for a chain), their
+    # breadth-first parents (-1 = the first token; a chain's -1, 0, ..., N-2) and the law of each
+    # node as [N, Vt] float32 rows, or None for a point mass. No nodes before a proposal that
+    # comes last (proposal_follows).
+    proposal: Proposal
     kv_cache: list[torch.Tensor] = field(default_factory=list)
     logprobs: int = 0  # top log-probabilities to report per token (0 = none)
     num_speculative_tokens: int = 0  # K: the depth of this request's proposals
-    draft_parents: list[int] = field(default_factory=list)  # [N] breadth-first tree (-1 = first token)
     draft_candidates: int = 1  # candidates per node of the trees the decode node drafts
 
 
@@ -210,14 +213,17 @@ def validate_decode_request(
             found.append(Violation("kv_shm", "absent in a DecodeStream (its chunks carry the KV)", "a segment"))
         else:
             check_kv_manifest(kv_manifest, contract, len(request.prompt_token_ids), found)
-    draft_probs = None if proposal_follows else _decode_proposal(proposal, nodes, receiver, found, payloads)
+    law = None if proposal_follows else _decode_proposal(proposal, nodes, receiver, found, payloads)
     if found:
         return found
-    draft_token_ids = torch.tensor(list(proposal.token_ids), dtype=torch.int64)
-    if draft_probs is not None and nodes:
-        _check_support(draft_probs, draft_token_ids, found)
+    probs, sparse_ids = law or (None, None)
+    parents = list(proposal.parents) or list(range(-1, nodes - 1))  # a chain
+    received = receiver.d2t_map.proposal(proposal.token_ids, parents, probs, sparse_ids, source=PREFILL)
+    draft_token_ids = torch.tensor(received.token_ids, dtype=torch.int64)
+    if received.probs is not None and nodes:
+        _check_support(received.probs, draft_token_ids, found)
     if proposal.parents:
-        _check_siblings(draft_probs, draft_token_ids, list(proposal.parents), found)
+        _check_siblings(received.probs, draft_token_ids, parents, found)
     if found:
         return found
     return DecodeInput(
@@ -227,12 +233,10 @@ def validate_decode_request(
         params=params,
         max_new_tokens=request.sampling.max_new_tokens,
         stop_token_ids=list(request.sampling.stop_token_ids),
-        draft_token_ids=draft_token_ids,
-        draft_probs=draft_probs,
+        proposal=received,
         kv_cache=kv_cache,
         logprobs=request.sampling.logprobs,
         num_speculative_tokens=k,
-        draft_parents=list(proposal.parents),
         draft_candidates=candidates,
     )
 
@@ -360,8 +364,9 @@ def _check_declared(
 
 def _decode_proposal(
     proposal: pdspec_pb2.Proposal, k: int, receiver: Receiver, found: list[Violation], payloads: Mapping[str, Buffer]
-) -> torch.Tensor | None:
-    """Target-space [K, Vt] probabilities (DENSE, SPARSE) or None (POINT_MASS)."""
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The law in DRAFT space, checked: (probs [K, Vd], None) for DENSE, (probs [K, M], draft
+    ids [K, M]) for SPARSE, None for POINT_MASS (or a violation)."""
     vd = receiver.contract.draft_vocab_size
     has = {name: proposal.HasField(name) for name in ("probs", "sparse_ids", "sparse_probs")}
     encoding = proposal.encoding
@@ -381,7 +386,7 @@ def _decode_proposal(
         probs = _decode_checked("proposal.probs", proposal.probs, DataType.FP32, 2, [k, vd], found, payloads)
         if probs is None or not _check_distribution("proposal.probs", probs, found):
             return None
-        return receiver.d2t_map.map_probs(probs)
+        return probs, None
     ids = _decode_checked("proposal.sparse_ids", proposal.sparse_ids, DataType.INT32, 2, None, found, payloads)
     values = _decode_checked("proposal.sparse_probs", proposal.sparse_probs, DataType.FP32, 2, None, found, payloads)
     if ids is None or values is None:
@@ -401,7 +406,7 @@ def _decode_proposal(
         return None
     if not _check_distribution("proposal.sparse_probs", values, found):
         return None
-    return receiver.d2t_map.map_sparse(ids, values)
+    return values, ids
 
 
 def _check_distribution(name: str, probs: torch.Tensor, found: list[Violation]) -> bool:

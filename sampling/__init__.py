@@ -1,12 +1,16 @@
 """All of pdspec's sampling math (docs/design.md §2)."""
 
+from sampling.batch import ChainInputs, TreeInputs, VerifyBatch
 from sampling.d2t import DraftToTargetMap, map_draft_probs_to_target
+from sampling.filtering import point_mass
 from sampling.params import SamplingParams, SamplingTensors
 from sampling.proposal import (
+    NO_PROPOSAL,
     CandidateSample,
+    Drafted,
     DraftLaw,
     DraftSample,
-    point_mass,
+    Proposal,
     propose,
     propose_candidates,
     propose_point_mass,
@@ -20,18 +24,24 @@ from sampling.verifier import StepStats, Verifier, VerifyResult
 
 __all__ = [
     "MAX_TREE_NODES",
+    "NO_PROPOSAL",
     "CandidateSample",
+    "ChainInputs",
     "DraftLaw",
     "DraftSample",
     "DraftToTargetMap",
+    "Drafted",
+    "Proposal",
     "RejectionSampler",
     "RequestRng",
     "SamplingParams",
     "SamplingTensors",
     "StepStats",
     "TargetSample",
+    "TreeInputs",
     "TreeResult",
     "Verifier",
+    "VerifyBatch",
     "VerifyResult",
     "batch_uniforms",
     "map_draft_probs_to_target",

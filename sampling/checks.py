@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sampling.batch import ChainInputs, TreeInputs
+
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -22,29 +24,20 @@ class Dims:
     vocab: int
 
 
-def check_rejection_inputs(
-    draft_token_ids: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    target_token_ids: torch.Tensor,
-    uniform_samples: torch.Tensor,
-    do_sample: torch.Tensor,
-    *,
-    check_values: bool = True,
-) -> Dims:
+def check_rejection_inputs(inputs: ChainInputs, *, check_values: bool = True) -> Dims:
     """Raise ValueError naming the argument, expected and actual value; return B, K, V."""
-    dims = _well_formed_dims(draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample)
+    dims = _well_formed_dims(inputs)
     if dims is None:  # something is off: the detailed checks below name it
-        dims = _structural_checks(
-            draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample
-        )
+        dims = _structural_checks(inputs)
     if check_values and dims.batch > 0:
-        _check_values(draft_token_ids, target_token_ids, uniform_samples, dims.vocab)
+        _check_values(inputs, dims.vocab)
     return dims
 
 
-def _well_formed_dims(draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample):
+def _well_formed_dims(inputs: ChainInputs) -> Dims | None:
     """Fast path (a few µs, it runs on every decode step): Dims if all is well, else None."""
+    draft_token_ids, draft_probs, target_probs = inputs.draft_token_ids, inputs.draft_probs, inputs.target_probs
+    target_token_ids, uniform_samples, do_sample = inputs.target_token_ids, inputs.uniform_samples, inputs.do_sample
     try:
         batch, k_plus_1, vocab = target_probs.shape
         device = target_probs.device
@@ -92,21 +85,23 @@ def _target_dims(target_probs: torch.Tensor, drafts: str) -> tuple[int, int, int
     return batch, rows - 1, vocab
 
 
-def _structural_checks(
-    draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample
-) -> Dims:
-    batch, k, vocab = _target_dims(target_probs, "K")
-    device = target_probs.device
-    _check_tensor("draft_token_ids", draft_token_ids, rank=2, dtypes=_INT_DTYPES, shape=(batch, k), device=device)
-    if draft_probs is not None:
-        _check_tensor(
-            "draft_probs", draft_probs, rank=3, dtypes=(torch.float32,), shape=(batch, k, vocab), device=device
-        )
-    _check_tensor("target_token_ids", target_token_ids, rank=2, dtypes=_INT_DTYPES, shape=(batch, k + 1), device=device)
+def _structural_checks(inputs: ChainInputs) -> Dims:
+    batch, k, vocab = _target_dims(inputs.target_probs, "K")
+    device = inputs.target_probs.device
     _check_tensor(
-        "uniform_samples", uniform_samples, rank=2, dtypes=(torch.float32,), shape=(batch, k + 1), device=device
+        "draft_token_ids", inputs.draft_token_ids, rank=2, dtypes=_INT_DTYPES, shape=(batch, k), device=device
     )
-    _check_tensor("do_sample", do_sample, rank=1, dtypes=(torch.bool,), shape=(batch,), device=device)
+    if inputs.draft_probs is not None:
+        _check_tensor(
+            "draft_probs", inputs.draft_probs, rank=3, dtypes=(torch.float32,), shape=(batch, k, vocab), device=device
+        )
+    _check_tensor(
+        "target_token_ids", inputs.target_token_ids, rank=2, dtypes=_INT_DTYPES, shape=(batch, k + 1), device=device
+    )
+    _check_tensor(
+        "uniform_samples", inputs.uniform_samples, rank=2, dtypes=(torch.float32,), shape=(batch, k + 1), device=device
+    )
+    _check_tensor("do_sample", inputs.do_sample, rank=1, dtypes=(torch.bool,), shape=(batch,), device=device)
     return Dims(batch, k, vocab)
 
 
@@ -132,9 +127,12 @@ def _check_tensor(
         raise ValueError(f"{name}: expected device {device} (that of target_probs), got {tensor.device}")
 
 
-def _check_values(
-    draft_token_ids: torch.Tensor, target_token_ids: torch.Tensor, uniform_samples: torch.Tensor, vocab: int
-) -> None:
+def _check_values(inputs: ChainInputs, vocab: int) -> None:
+    draft_token_ids, target_token_ids, uniform_samples = (
+        inputs.draft_token_ids,
+        inputs.target_token_ids,
+        inputs.uniform_samples,
+    )
     bad = torch.stack(
         [
             ((draft_token_ids < 0) | (draft_token_ids >= vocab)).any(),
@@ -161,26 +159,21 @@ class TreeDims:
     vocab: int
 
 
-def check_tree_inputs(
-    draft_token_ids: torch.Tensor,
-    parents: torch.Tensor,
-    num_nodes: torch.Tensor | None,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    target_token_ids: torch.Tensor,
-    accept_uniforms: torch.Tensor,
-    recover_uniforms: torch.Tensor,
-    do_sample: torch.Tensor,
-    *,
-    max_nodes: int,
-    check_values: bool = True,
-) -> TreeDims:
+def check_tree_inputs(inputs: TreeInputs, *, max_nodes: int, check_values: bool = True) -> TreeDims:
     """Raise ValueError naming the argument, expected and actual value; return B, N, V.
 
     Entries of node n >= num_nodes[b] (and positions n + 1 > num_nodes[b]) are ignored
     by the samplers, so the value checks skip them too. `max_nodes` is
     sampling.tree.MAX_TREE_NODES, passed in because tree.py imports this module.
     """
+    draft_token_ids, parents, num_nodes, draft_probs = (
+        inputs.draft_token_ids,
+        inputs.parents,
+        inputs.num_nodes,
+        inputs.draft_probs,
+    )
+    target_probs, target_token_ids, do_sample = inputs.target_probs, inputs.target_token_ids, inputs.do_sample
+    accept_uniforms, recover_uniforms = inputs.accept_uniforms, inputs.recover_uniforms
     batch, n, vocab = _target_dims(target_probs, "N")
     if n > max_nodes:
         raise ValueError(f"target_probs: expected N <= MAX_TREE_NODES = {max_nodes} tree nodes, got N = {n}")
@@ -200,13 +193,18 @@ def check_tree_inputs(
     )
     _check_tensor("do_sample", do_sample, rank=1, dtypes=(torch.bool,), shape=(batch,), device=device)
     if check_values and batch > 0:
-        _check_tree_values(
-            draft_token_ids, parents, num_nodes, target_token_ids, accept_uniforms, recover_uniforms, vocab
-        )
+        _check_tree_values(inputs, vocab)
     return TreeDims(batch, n, vocab)
 
 
-def _check_tree_values(draft_token_ids, parents, num_nodes, target_token_ids, accept_uniforms, recover_uniforms, vocab):
+def _check_tree_values(inputs: TreeInputs, vocab: int) -> None:
+    draft_token_ids, parents, num_nodes, target_token_ids = (
+        inputs.draft_token_ids,
+        inputs.parents,
+        inputs.num_nodes,
+        inputs.target_token_ids,
+    )
+    accept_uniforms, recover_uniforms = inputs.accept_uniforms, inputs.recover_uniforms
     batch, n = draft_token_ids.shape
     device = draft_token_ids.device
     node = torch.arange(n, device=device)

@@ -5,8 +5,8 @@ the binary on disk) and launched on torch's current stream with raw device point
 zero-copy (the kernel reads torch's own memory), where `cupy.from_dlpack` would cost
 ~30 µs per tensor (the launch figures in docs/design.md §7). All launch arguments travel as one packed struct
 (`RsParams` in the .cu file), so marshalling them is one `struct.pack`. Inputs were
-validated by `sampling.checks` (dtype, device, shape); this module only makes them
-contiguous.
+validated by `sampling.checks` (dtype, device, shape) and come as one `ChainInputs`
+(sampling/batch.py); this module only makes them contiguous.
 
 A call allocates nothing on the device beyond torch's caching allocator (the outputs,
 and the workspace the first time a stream needs a larger one) and never synchronises
@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from sampling.batch import ChainInputs
 
 SOURCE = Path(__file__).with_name("rejection_kernel.cu")
 KERNEL_NAMES = {True: "rejection_sample_dense", False: "rejection_sample_point_mass"}  # by `dense`
@@ -109,22 +111,24 @@ class _Workspace:
 _workspaces: dict[tuple[int, int], _Workspace] = {}
 
 
-def rejection_sample_cupy(
-    draft_token_ids: torch.Tensor,  # [B, K] int32|int64
-    draft_probs: torch.Tensor | None,  # [B, K, V] float32 or None
-    target_probs: torch.Tensor,  # [B, K+1, V] float32
-    target_token_ids: torch.Tensor,  # [B, K+1] int32|int64
-    uniform_samples: torch.Tensor,  # [B, K+1] float32
-    do_sample: torch.Tensor,  # [B] bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, k = draft_token_ids.shape
-    vocab = target_probs.shape[-1]
-    device = target_probs.device
+def rejection_sample_cupy(inputs: ChainInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """`inputs` (sampling/batch.py: draft ids [B, K], draft probs [B, K, V] or None, target probs
+    [B, K+1, V], target ids [B, K+1], uniforms [B, K+1], do_sample [B]) on one GPU, validated."""
+    batch, k = inputs.draft_token_ids.shape
+    vocab = inputs.target_probs.shape[-1]
+    device = inputs.target_probs.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     draft_token_ids, target_probs, target_token_ids, uniform_samples, do_sample = (
-        t.contiguous() for t in (draft_token_ids, target_probs, target_token_ids, uniform_samples, do_sample)
+        t.contiguous()
+        for t in (
+            inputs.draft_token_ids,
+            inputs.target_probs,
+            inputs.target_token_ids,
+            inputs.uniform_samples,
+            inputs.do_sample,
+        )
     )
-    draft_probs = None if draft_probs is None else draft_probs.contiguous()
+    draft_probs = None if inputs.draft_probs is None else inputs.draft_probs.contiguous()
 
     sms = _multiprocessors(index)
     dense = draft_probs is not None

@@ -2,8 +2,8 @@
 
 Launched like the chain kernel (sampling/cupy_sampler.py): compiled once per device,
 run on torch's current stream with raw device pointers in one packed struct (`TsParams`
-in the .cu file). Inputs were validated by `sampling.checks.check_tree_inputs`; this
-module only makes them contiguous.
+in the .cu file). Inputs come as one `TreeInputs` (sampling/batch.py), validated by
+`sampling.checks.check_tree_inputs`; this module only makes them contiguous.
 
 A call allocates nothing on the device beyond torch's caching allocator (the outputs,
 and the workspace the first time a stream needs a larger one) and never synchronises
@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sampling.batch import TreeInputs
 from sampling.categorical import CHUNK
 from sampling.cupy_sampler import _cupy_stream
 
@@ -66,37 +67,30 @@ class _Workspace:
 _workspaces: dict[tuple[int, int], _Workspace] = {}
 
 
-def tree_rejection_sample_cupy(
-    draft_token_ids: torch.Tensor,  # [B, N] int32|int64
-    parents: torch.Tensor,  # [B, N] int32|int64
-    num_nodes: torch.Tensor | None,  # [B] int32|int64 or None
-    draft_probs: torch.Tensor | None,  # [B, N, V] float32 or None
-    target_probs: torch.Tensor,  # [B, N+1, V] float32
-    target_token_ids: torch.Tensor,  # [B, N+1] int32|int64
-    accept_uniforms: torch.Tensor,  # [B, N] float32
-    recover_uniforms: torch.Tensor,  # [B, N+1] float32
-    do_sample: torch.Tensor,  # [B] bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fields of `sampling.tree.TreeResult` (output_token_ids, accepted_token_num,
-    accepted_nodes): tree.py wraps them, as the backend it loads lazily must not import it back."""
-    batch, n_nodes = draft_token_ids.shape
-    vocab = target_probs.shape[-1]
-    device = target_probs.device
+def tree_rejection_sample_cupy(inputs: TreeInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`inputs` (sampling/batch.py: draft ids and parents [B, N], num_nodes [B] or None, draft
+    probs [B, N, V] or None, target probs [B, N+1, V], target ids [B, N+1], accept uniforms
+    [B, N], recover uniforms [B, N+1], do_sample [B]) on one GPU, validated. Returns the fields
+    of `sampling.tree.TreeResult` (output_token_ids, accepted_token_num, accepted_nodes): tree.py
+    wraps them, as the backend it loads lazily must not import it back."""
+    batch, n_nodes = inputs.draft_token_ids.shape
+    vocab = inputs.target_probs.shape[-1]
+    device = inputs.target_probs.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     draft_token_ids, parents, target_probs, target_token_ids, accept_uniforms, recover_uniforms, do_sample = (
         t.contiguous()
         for t in (
-            draft_token_ids,
-            parents,
-            target_probs,
-            target_token_ids,
-            accept_uniforms,
-            recover_uniforms,
-            do_sample,
+            inputs.draft_token_ids,
+            inputs.parents,
+            inputs.target_probs,
+            inputs.target_token_ids,
+            inputs.accept_uniforms,
+            inputs.recover_uniforms,
+            inputs.do_sample,
         )
     )
-    num_nodes = None if num_nodes is None else num_nodes.contiguous()
-    draft_probs = None if draft_probs is None else draft_probs.contiguous()
+    num_nodes = None if inputs.num_nodes is None else inputs.num_nodes.contiguous()
+    draft_probs = None if inputs.draft_probs is None else inputs.draft_probs.contiguous()
 
     num_chunks = -(-vocab // CHUNK)
     stream_ptr = torch._C._cuda_getCurrentRawStream(index)  # cheaper than current_stream() objects

@@ -5,13 +5,20 @@ many-to-one map keeps total mass. The scatter is split into "levels": level l ho
 l-th draft id of every target id, so within a level the target ids are distinct and the
 adds never collide. The sum order is therefore fixed (deterministic on every device,
 no atomics) and an injective map is a single gather-free copy.
+
+`DraftToTargetMap.proposal` is the one place a draft model's draw becomes a target-space
+`Proposal` (sampling/proposal.py): the proposer's own drafts and the ones a decode node
+receives from the wire both pass through it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from sampling.proposal import DRAFT, Drafted, Proposal
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,35 @@ class DraftToTargetMap:
         [K, Vt] target-space rows. Scatter-added on the host, whose order is deterministic."""
         out = torch.zeros(draft_ids.shape[0], self.target_vocab_size, dtype=torch.float32)
         return out.scatter_add_(1, self.map_tokens(draft_ids), probs)
+
+    def proposal(
+        self,
+        token_ids: Sequence[int],
+        parents: Sequence[int],
+        probs: torch.Tensor | None = None,
+        sparse_ids: torch.Tensor | None = None,
+        *,
+        source: str = DRAFT,
+        drafted: Drafted | None = None,
+    ) -> Proposal:
+        """A draw in draft space as the target-space `Proposal` the verifier reads.
+
+        token_ids [N]: the drawn tokens as TARGET ids (their draft ids through this map: the
+        wire carries them so, and the drafting loop maps them on the device to feed them back);
+        parents [N] (breadth-first, -1 = the last emitted token). The law each node was drawn
+        from, in DRAFT space, is one of
+        * dense: probs [N, Vd] float32 (any device), scatter-added along d2t (`map_probs`);
+        * sparse: probs [N, M] float32 with sparse_ids [N, M] int draft ids, scatter-added on
+          the host into [N, Vt] (`map_sparse`);
+        * point mass: probs None; it stays None (the samplers skip all dense work).
+        `source` and `drafted` (the draw itself, for the wire) are carried as given."""
+        if sparse_ids is not None:
+            if probs is None:
+                raise ValueError("probs: expected the [N, M] probabilities of sparse_ids, got None")
+            target_probs = self.map_sparse(sparse_ids, probs)
+        else:
+            target_probs = None if probs is None else self.map_probs(probs)
+        return Proposal(list(token_ids), list(parents), target_probs, source, drafted)
 
 
 def map_draft_probs_to_target(

@@ -3,7 +3,8 @@
 Temperature, then top-k (ties with the k-th logit are kept, as in HF and vLLM), then
 top-p over what top-k left (the smallest descending prefix whose mass reaches top_p;
 ties broken by token id so the result is deterministic), then renormalization.
-Greedy rows get a point mass at the argmax (lowest id among equal maxima).
+Greedy rows get a point mass at the argmax (lowest id among equal maxima); `point_mass` writes
+such a law as one-hot rows wherever a dense distribution is expected.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ def filtered_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
 
 
 def point_mass(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N] ids -> [N, V] float32 one-hot rows."""
-    out = torch.zeros(token_ids.shape[0], vocab_size, dtype=torch.float32, device=token_ids.device)
-    return out.scatter_(1, token_ids[:, None].long(), 1.0)
+    """[...] int ids -> [..., V] float32 one-hot rows: a point mass's law written densely, where
+    a dense distribution is expected (the one place such rows are built)."""
+    rows = torch.zeros(*token_ids.shape, vocab_size, dtype=torch.float32, device=token_ids.device)
+    return rows.scatter_(-1, token_ids.long()[..., None], 1.0)
 
 
 def _kept_mask(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:

@@ -9,6 +9,16 @@ normalized distribution it drew that token from (draft-vocabulary space).
 
 `propose_candidates` draws k siblings of a draft tree (sampling/tree.py) at once, without
 replacement, each with its exact law given the earlier ones.
+
+What the verifier reads of one request's step is a `Proposal`, in TARGET space whatever made it
+(the draft model, prompt lookup, the prefill node): token ids, the tree's parents, and the law
+each node was drawn from (None = point mass). The draft model's own draw, in draft space, rides
+along as `Drafted` (what the DENSE and SPARSE encodings ship); `DraftToTargetMap.proposal`
+(sampling/d2t.py) is the one place a draw in draft space becomes a `Proposal`.
+
+Layout: nodes in breadth-first order, siblings contiguous in draw order; parents[n] is the
+parent node's index, -1 for children of the last emitted token. A chain of K drafts has
+parents -1, 0, ..., K-2.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from sampling.categorical import inverse_cdf_sample
-from sampling.filtering import filtered_probs
+from sampling.filtering import filtered_probs, point_mass
 from sampling.params import SamplingTensors
 
 
@@ -32,13 +42,6 @@ class DraftLaw(enum.Enum):
 class DraftSample:
     token_ids: torch.Tensor  # [B] int64, draft-vocab ids
     probs: torch.Tensor | None  # [B, Vd] float32, or None = point mass at token_ids
-
-
-def point_mass(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[...] int64 ids -> [..., V] float32 one-hot rows: a point mass's law written densely, where
-    a dense distribution is expected (the one place such rows are built)."""
-    rows = torch.zeros(*token_ids.shape, vocab_size, dtype=torch.float32, device=token_ids.device)
-    return rows.scatter_(-1, token_ids.long()[..., None], 1.0)
 
 
 def propose_point_mass(logits: torch.Tensor) -> DraftSample:
@@ -117,3 +120,48 @@ def _top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     if k == 1:
         return logits.argmax(-1, keepdim=True)
     return logits.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+DRAFT, LOOKUP = "draft", "prompt-lookup"  # a proposal's source
+PROPOSAL_SOURCES = (DRAFT, LOOKUP)
+PREFILL = "prefill"  # the source of the proposal a decode node receives: the prefill node's
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """The draft model's draw of one request's tree, in DRAFT space (breadth-first, siblings in
+    draw order): what the DENSE and SPARSE encodings ship."""
+
+    draft_ids: list[int]  # [N] DRAFT-vocabulary ids
+    target_ids: list[int]  # [N] the same tokens as TARGET ids (d2t)
+    parents: list[int]  # [N] parent node, -1 = the last emitted token
+    probs: torch.Tensor | None  # [N, Vd] float32, the law each was drawn from; None = point mass
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One row's proposal in TARGET space, whatever made it: what the verifier reads."""
+
+    token_ids: list[int]  # [N] target ids, breadth-first, siblings in draw order
+    parents: list[int]  # [N] parent node, -1 = the last emitted token
+    probs: torch.Tensor | None  # [N, Vt] the law each node was drawn from; None = point mass
+    source: str = DRAFT  # DRAFT, LOOKUP or PREFILL
+    drafted: Drafted | None = None  # the draft model's draw in draft space (what DENSE / SPARSE ship)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == n - 1 for n, p in enumerate(self.parents))
+
+    @property
+    def depth(self) -> int:
+        levels: list[int] = []
+        for parent in self.parents:
+            levels.append(1 if parent < 0 else levels[parent] + 1)
+        return max(levels, default=0)
+
+    def rank(self, node: int) -> int:
+        """The node's place among its siblings (0 = drawn first)."""
+        return node - self.parents.index(self.parents[node])
+
+
+NO_PROPOSAL = Proposal([], [], None)

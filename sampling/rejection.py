@@ -12,11 +12,12 @@ from typing import Literal
 
 import torch
 
+from sampling.batch import ChainInputs
 from sampling.checks import check_rejection_inputs
 from sampling.reference import rejection_sample_torch
 
 Backend = Literal["torch", "cupy", "auto"]
-_Impl = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+_Impl = Callable[[ChainInputs], tuple[torch.Tensor, torch.Tensor]]
 
 
 @functools.cache
@@ -73,22 +74,15 @@ class RejectionSampler:
         *,
         check_values: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        dims = check_rejection_inputs(
-            draft_token_ids,
-            draft_probs,
-            target_probs,
-            target_token_ids,
-            uniform_samples,
-            do_sample,
-            check_values=check_values,
-        )
+        inputs = ChainInputs(draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample)
+        dims = check_rejection_inputs(inputs, check_values=check_values)
         if dims.batch == 0:
             device = target_probs.device
             return (
                 torch.empty(0, dims.num_draft + 1, dtype=torch.int32, device=device),
                 torch.empty(0, dtype=torch.int32, device=device),
             )
-        return self._impl(draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample)
+        return self._impl(inputs)
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sampling.batch import TreeInputs
 from sampling.categorical import inverse_cdf_sample
 from sampling.checks import check_tree_inputs
 from sampling.rejection import Backend, resolve_backend
@@ -73,7 +74,7 @@ def tree_rejection_sample(
     """
     device = target_probs.device if isinstance(target_probs, torch.Tensor) else torch.device("cpu")
     resolved = resolve_backend(backend, device)
-    args = (
+    inputs = TreeInputs(
         draft_token_ids,
         parents,
         num_nodes,
@@ -84,7 +85,7 @@ def tree_rejection_sample(
         recover_uniforms,
         do_sample,
     )
-    dims = check_tree_inputs(*args, max_nodes=MAX_TREE_NODES, check_values=check_values)
+    dims = check_tree_inputs(inputs, max_nodes=MAX_TREE_NODES, check_values=check_values)
     if dims.batch == 0:
         return TreeResult(
             torch.empty(0, dims.num_nodes + 1, dtype=torch.int32, device=device),
@@ -92,23 +93,13 @@ def tree_rejection_sample(
             torch.empty(0, dims.num_nodes, dtype=torch.int32, device=device),
         )
     if resolved == "torch":
-        return tree_rejection_sample_torch(*args)
+        return tree_rejection_sample_torch(inputs)
     from sampling.cupy_tree import tree_rejection_sample_cupy
 
-    return TreeResult(*tree_rejection_sample_cupy(*args))
+    return TreeResult(*tree_rejection_sample_cupy(inputs))
 
 
-def tree_rejection_sample_torch(
-    draft_token_ids: torch.Tensor,  # [B, N] int
-    parents: torch.Tensor,  # [B, N] int
-    num_nodes: torch.Tensor | None,  # [B] int or None
-    draft_probs: torch.Tensor | None,  # [B, N, V] float32 or None = point mass
-    target_probs: torch.Tensor,  # [B, N+1, V] float32
-    target_token_ids: torch.Tensor,  # [B, N+1] int
-    accept_uniforms: torch.Tensor,  # [B, N] float32
-    recover_uniforms: torch.Tensor,  # [B, N+1] float32
-    do_sample: torch.Tensor,  # [B] bool
-) -> TreeResult:
+def tree_rejection_sample_torch(inputs: TreeInputs) -> TreeResult:
     """The vectorised reference, the oracle of the kernel (inputs validated by the caller).
 
     One pass over the node index, vectorised over rows: children of a context all come
@@ -116,13 +107,20 @@ def tree_rejection_sample_torch(
     node n is tested iff its parent is the row's current context. Ids are clamped before
     they address memory, as the kernel does, so both agree even on unchecked bad ids.
     """
+    draft_token_ids, parents, num_nodes, draft_probs = (
+        inputs.draft_token_ids,
+        inputs.parents,
+        inputs.num_nodes,
+        inputs.draft_probs,
+    )
+    target_probs, do_sample, accept_uniforms = inputs.target_probs, inputs.do_sample, inputs.accept_uniforms
     batch, n_nodes = draft_token_ids.shape
     vocab = target_probs.shape[-1]
     device = target_probs.device
     rows = torch.arange(batch, device=device)
     ids = draft_token_ids.long()
     safe_ids = ids.clamp(0, vocab - 1)
-    targets = target_token_ids.long()
+    targets = inputs.target_token_ids.long()
     count = torch.full((batch,), n_nodes, device=device) if num_nodes is None else num_nodes.long().clamp(0, n_nodes)
 
     context = torch.full((batch,), -1, dtype=torch.int64, device=device)  # the current node, -1 = root
@@ -157,7 +155,7 @@ def tree_rejection_sample_torch(
     final = targets[rows, context + 1]  # the bonus, or the greedy / no-mass recovery
     recover = torch.nonzero(do_sample & rejected).squeeze(1)  # [R] rows whose context's children all failed
     if recover.numel() > 0:
-        index, has_mass = inverse_cdf_sample(residual[recover], recover_uniforms[recover, context[recover] + 1])
+        index, has_mass = inverse_cdf_sample(residual[recover], inputs.recover_uniforms[recover, context[recover] + 1])
         final[recover] = torch.where(has_mass, index, final[recover])
 
     drafts = torch.where(accepted_nodes >= 0, ids.gather(1, accepted_nodes.long().clamp(min=0)), -1)  # [B, N]

@@ -1,22 +1,23 @@
 """One speculative verification step over a batch with mixed sampling parameters.
 
-Glues the target sampler, the per-request RNG and the rejection sampler; the caller maps
-draft distributions to target space first (`DraftToTargetMap.map_probs`).
+Glues the target sampler, the per-request RNG and the rejection samplers. `Verifier.verify`
+takes a step's proposals as one `VerifyBatch` (sampling/batch.py, built from target-space
+`Proposal`s: `DraftToTargetMap.proposal` maps a draft's law first) with the target's logits.
 Per row and step the request's generator yields 2*(K+1) uniforms in a fixed order:
 K+1 for the target sampler, then K+1 for rejection sampling, so a seeded request gets
-the same tokens whatever else is in the batch. A candidate tree of N nodes (`verify_tree`)
+the same tokens whatever else is in the batch. A candidate tree of N nodes (the tree kernel)
 draws 2*(N+1) the same way: its node n tests with rejection uniform n, and the residual
 draw after the children of a node are all rejected uses uniform (its last child + 1) —
 for a chain exactly the chain's rule, and in a breadth-first layout never a uniform the
 walk has used (every node the walk tests precedes that index, every later one is untested).
 
-Coupled rows (`positions`): a sampled row whose proposal is a point mass may be verified by
-coupling instead. Its target tokens are drawn with the uniforms of their sequence positions
-(`RequestRng.at`), and a draft is accepted iff it equals the target token drawn there — the
-greedy rule applied to sampled tokens. A draft d is then accepted with probability q(d), as by
-the rejection test, and at the first mismatch the token emitted is the target's own draw,
-distributed as q given that it is not d, which is the residual: the output law is q's. Every
-token such a row emits is the one a K = 0 step at its position would draw, so a seeded
+Coupled rows (`VerifyBatch.positions`): a sampled row whose proposal is a point mass may be
+verified by coupling instead. Its target tokens are drawn with the uniforms of their sequence
+positions (`RequestRng.at`), and a draft is accepted iff it equals the target token drawn
+there — the greedy rule applied to sampled tokens. A draft d is then accepted with probability
+q(d), as by the rejection test, and at the first mismatch the token emitted is the target's own
+draw, distributed as q given that it is not d, which is the residual: the output law is q's.
+Every token such a row emits is the one a K = 0 step at its position would draw, so a seeded
 request's tokens do not depend on K, nor on whether a step drafted at all. The row draws
 nothing from its stream. Only a point-mass proposal may be coupled: a stochastic draft law is
 not what the greedy rule tests.
@@ -29,8 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from common.transfer import device_tensor, to_device
+from sampling.batch import VerifyBatch
 from sampling.params import SamplingParams, SamplingTensors
 from sampling.rejection import Backend, RejectionSampler
 from sampling.rng import RequestRng, batch_uniforms
@@ -100,64 +103,85 @@ class Verifier:
 
     def verify(
         self,
-        draft_token_ids: torch.Tensor,  # [B, K] int, TARGET-vocab ids
-        draft_probs: torch.Tensor | None,  # [B, K, Vt] float32 in TARGET space, None = point mass
-        target_logits: torch.Tensor,  # [B, K+1, Vt]
+        batch: VerifyBatch,
+        target_logits: torch.Tensor | Sequence[torch.Tensor],
         params: Sequence[SamplingParams],
         rngs: Sequence[RequestRng],
-        positions: Sequence[int | None] | None = None,
     ) -> VerifyResult:
-        """positions[b]: the sequence position of row b's first target token, for a row verified
-        by coupling (its proposal must be a point mass); None for a row that is not."""
-        batch, k = draft_token_ids.shape
-        if len(params) != batch or len(rngs) != batch:
-            raise ValueError(f"params/rngs: expected {batch} entries each, got {len(params)} and {len(rngs)}")
-        rows = SamplingTensors.from_params(params, self.device)
-        coupled = _coupled(params, positions, batch)
+        """One step: row b's proposal in `batch` (sampling/batch.py) against the target's logits
+        after its last emitted token and after each node, target_logits [B, N+1, Vt] (any float
+        dtype), or B tensors [N_b+1, Vt] (stacked; padded with zeros for trees). params and rngs:
+        one per row. Chains (`batch.chain`) take the chain kernel, anything else the tree
+        kernel (sampling/proposal.py's layout), one launch for the batch either way.
+
+        batch.positions[b]: the sequence position of row b's first target token, for a row
+        verified by coupling (its proposal must be a point mass); a coupled tree row's context
+        at depth d draws with the uniform of position positions[b] + d (siblings share it: only
+        one of them is ever emitted)."""
+        batch.check()
+        rows = batch.rows
+        if len(params) != rows or len(rngs) != rows:
+            raise ValueError(f"params/rngs: expected {rows} entries each, got {len(params)} and {len(rngs)}")
+        if isinstance(target_logits, torch.Tensor):
+            logits = target_logits
+        elif batch.chain:
+            logits = torch.stack(list(target_logits))
+        else:
+            logits = pad_sequence(list(target_logits), batch_first=True)  # 0 past a row
+        logits = logits.to(self.device) if batch.chain else logits.to(self.device, torch.float32)
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != (rows, batch.nodes + 1):
+            raise ValueError(f"target_logits: expected shape [{rows}, {batch.nodes + 1}, Vt], got {list(logits.shape)}")
+        coupled = _coupled(params, batch.positions, rows)
+        if batch.chain:
+            return self._verify_chain(batch, logits, params, rngs, coupled)
+        return self._verify_tree(batch, logits, params, rngs, coupled)
+
+    def _verify_chain(
+        self,
+        batch: VerifyBatch,
+        target_logits: torch.Tensor,  # [B, K+1, Vt] on the device
+        params: Sequence[SamplingParams],
+        rngs: Sequence[RequestRng],
+        coupled: list[bool],
+    ) -> VerifyResult:
+        rows, k = batch.rows, batch.nodes
+        tensors = SamplingTensors.from_params(params, self.device)
         sampled = [not p.is_greedy and not c for p, c in zip(params, coupled, strict=True)]
         uniforms = batch_uniforms(rngs, 2 * (k + 1), "cpu" if any(coupled) else self.device, sampled)
         if any(coupled):  # [B, 2(K+1)]: greedy rows 0, coupled rows their positions' then 0
             at = [b for b, c in enumerate(coupled) if c]
-            uniforms[at, : k + 1] = torch.tensor([rngs[b].at(positions[b], k + 1) for b in at])
+            uniforms[at, : k + 1] = torch.tensor([rngs[b].at(batch.positions[b], k + 1) for b in at])
             uniforms = to_device(uniforms, self.device)
-        target = sample_target(target_logits, rows, uniforms[:, : k + 1])
+        target = sample_target(target_logits, tensors, uniforms[:, : k + 1])
         output, emitted = self.sampler(
-            to_device(draft_token_ids, self.device),
-            None if draft_probs is None else draft_probs.to(self.device),
+            to_device(batch.draft_token_ids, self.device),
+            None if batch.draft_probs is None else batch.draft_probs.to(self.device),
             target.probs,
             target.token_ids,
             uniforms[:, k + 1 :].contiguous(),
-            _tested(rows, coupled, self.device) if k else rows.do_sample,  # K = 0 tests nothing: no copy
+            _tested(tensors, coupled, self.device) if k else tensors.do_sample,  # K = 0 tests nothing: no copy
         )
         accepted = emitted.long() - 1
         stats = StepStats(
-            do_sample=rows.do_sample,
-            draft_tokens=torch.full((batch,), k, dtype=torch.int64, device=self.device),
+            do_sample=tensors.do_sample,
+            draft_tokens=torch.full((rows,), k, dtype=torch.int64, device=self.device),
             accepted_tokens=accepted,
             accepted_per_position=torch.arange(k, device=self.device) < accepted[:, None],
         )
         return VerifyResult(output, emitted, stats)
 
-    def verify_tree(
+    def _verify_tree(
         self,
-        draft_token_ids: torch.Tensor,  # [B, N] int, TARGET-vocab ids, breadth-first, padded
-        parents: torch.Tensor,  # [B, N] int, parent node (-1 = the last emitted token)
-        num_nodes: Sequence[int],  # [B] nodes of each row
-        draft_probs: torch.Tensor | None,  # [B, N, Vt] float32 in TARGET space, None = point mass
-        target_logits: torch.Tensor,  # [B, N+1, Vt]: after the last token, then after each node
+        batch: VerifyBatch,
+        target_logits: torch.Tensor,  # [B, N+1, Vt] float32 on the device
         params: Sequence[SamplingParams],
         rngs: Sequence[RequestRng],
-        positions: Sequence[int | None] | None = None,
+        coupled: list[bool],
     ) -> VerifyResult:
-        """Candidate trees (engine/proposer.py's layout): one launch for the batch, mixed sizes.
-        `positions` as for `verify`; a coupled row's context at depth d draws with the uniform
-        of position positions[b] + d (siblings share it: only one of them is ever emitted)."""
-        batch, n = draft_token_ids.shape
-        if not len(params) == len(rngs) == len(num_nodes) == batch:
-            raise ValueError(f"params/rngs/num_nodes: expected {batch} entries each")
-        rows = SamplingTensors.from_params(params, self.device)
-        coupled = _coupled(params, positions, batch)
-        uniforms = torch.zeros(batch, 2 * (n + 1))  # [B, 2(N+1)]; row b uses 2(N_b+1) of them
+        rows, n = batch.rows, batch.nodes
+        num_nodes, parents = batch.node_counts(), batch.parents
+        tensors = SamplingTensors.from_params(params, self.device)
+        uniforms = torch.zeros(rows, 2 * (n + 1))  # [B, 2(N+1)]; row b uses 2(N_b+1) of them
         host_parents = parents.tolist() if any(coupled) else []
         for b, (rng, nodes, p) in enumerate(zip(rngs, num_nodes, params, strict=True)):
             if p.is_greedy:
@@ -166,36 +190,36 @@ class Verifier:
                 depths = [0]  # of each context: the root, then after each node
                 for parent in host_parents[b][:nodes]:
                     depths.append(depths[parent + 1] + 1)
-                drawn = rng.at(positions[b], max(depths) + 1)
+                drawn = rng.at(batch.positions[b], max(depths) + 1)
                 uniforms[b, : nodes + 1] = torch.tensor([drawn[d] for d in depths])
                 continue
             drawn = rng.uniforms(2 * (nodes + 1))
             uniforms[b, : nodes + 1], uniforms[b, n + 1 : n + 2 + nodes] = drawn[: nodes + 1], drawn[nodes + 1 :]
         # The residual uniform of each context: rejection uniform (its last child + 1).
         node = torch.arange(n)
-        real = node[None, :] < torch.tensor(list(num_nodes))[:, None]  # [B, N]
-        recover_index = torch.zeros(batch, n + 1, dtype=torch.int64).scatter_reduce(
+        real = node[None, :] < torch.tensor(num_nodes)[:, None]  # [B, N]
+        recover_index = torch.zeros(rows, n + 1, dtype=torch.int64).scatter_reduce(
             1, (parents.cpu().long() + 1).clamp(min=0) * real, (node[None, :] + 1) * real, "amax"
         )
         uniforms = to_device(uniforms, self.device)
         rejection = uniforms[:, n + 1 :]  # [B, N+1]
-        target = sample_target(target_logits, rows, uniforms[:, : n + 1].contiguous())
+        target = sample_target(target_logits, tensors, uniforms[:, : n + 1].contiguous())
         result = self.tree_sampler(
-            to_device(draft_token_ids, self.device),
+            to_device(batch.draft_token_ids, self.device),
             to_device(parents, self.device),
-            device_tensor(list(num_nodes), torch.int64, self.device),
-            None if draft_probs is None else draft_probs.to(self.device),
+            device_tensor(num_nodes, torch.int64, self.device),
+            None if batch.draft_probs is None else batch.draft_probs.to(self.device),
             target.probs,
             target.token_ids,
             rejection[:, :n].contiguous(),
             rejection.gather(1, to_device(recover_index, self.device)),
-            _tested(rows, coupled, self.device),
+            _tested(tensors, coupled, self.device),
         )
         emitted = result.accepted_token_num
         accepted = emitted.long() - 1
         stats = StepStats(
-            do_sample=rows.do_sample,
-            draft_tokens=device_tensor(list(num_nodes), torch.int64, self.device),
+            do_sample=tensors.do_sample,
+            draft_tokens=device_tensor(num_nodes, torch.int64, self.device),
             accepted_tokens=accepted,
             accepted_per_position=torch.arange(n, device=self.device) < accepted[:, None],
         )
@@ -203,11 +227,9 @@ class Verifier:
 
 
 def _coupled(params: Sequence[SamplingParams], positions: Sequence[int | None] | None, batch: int) -> list[bool]:
-    """Which rows are verified by coupling: sampled rows given a position."""
+    """Which rows are verified by coupling: sampled rows given a position (checked: one per row)."""
     if positions is None:
         return [False] * batch
-    if len(positions) != batch:
-        raise ValueError(f"positions: expected {batch} entries, got {len(positions)}")
     return [not p.is_greedy and at is not None for p, at in zip(params, positions, strict=True)]
 
 

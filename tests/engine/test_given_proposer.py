@@ -5,11 +5,12 @@ its proposals, and a greedy request still emits its K = 0 tokens."""
 from __future__ import annotations
 
 from decode_node.engine import DecodeConfig, DecodeEngine
-from engine.proposer import DRAFT, LOOKUP, NO_PROPOSAL, Plan, Proposal, Proposer
+from engine.proposer import Plan, Proposer
 from engine.spec_config import SpeculativeConfig
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
 from protos.validation import Receiver, validate_decode_request
+from sampling.proposal import DRAFT, LOOKUP, NO_PROPOSAL, Proposal
 
 
 class Repeating:

@@ -1,14 +1,11 @@
-"""The per-request Sequence (its stop rule and budget) and the speculative step's metadata bundle."""
+"""The per-request Sequence: its stop rule, budget and statistics."""
 
 from __future__ import annotations
 
-import torch
-
 from engine.prompt_lookup import ContextIndex
-from engine.proposer import LOOKUP, NO_PROPOSAL, Proposal
 from engine.sequence import Sequence
-from engine.spec_step import SpecMetadata
-from sampling import RequestRng, SamplingParams, point_mass
+from sampling import Proposal, RequestRng, SamplingParams
+from sampling.proposal import LOOKUP
 
 EOS, STOP = 9, 7
 
@@ -68,26 +65,3 @@ def test_stats_arrays_follow_k_and_candidates():
 
 def test_kv_need_is_prompt_budget_nodes_and_the_token_they_follow():
     assert sequence(prompt=range(10), budget=7).kv_need(4) == 10 + 7 + 4 + 1
-
-
-def test_metadata_of_chains_of_one_depth_and_law_is_a_chain():
-    seqs = [sequence(), sequence(prompt=(1, 2))]
-    probs = torch.softmax(torch.randn(2, 2, 11, generator=torch.Generator().manual_seed(0)), -1)
-    chain = [Proposal([3, 4], [-1, 0], probs[0]), Proposal([5, 6], [-1, 0], probs[1])]
-    meta = SpecMetadata.build(seqs, chain, 11, torch.device("cpu"))
-    assert meta.chain and meta.num_nodes == [2, 2] and meta.positions == [None, None]
-    assert torch.equal(meta.draft_token_ids, torch.tensor([[3, 4], [5, 6]])) and torch.equal(meta.draft_probs, probs)
-    point = SpecMetadata.build(seqs, [Proposal([3], [-1], None), Proposal([5], [-1], None)], 11, torch.device("cpu"))
-    assert point.chain and point.draft_probs is None and point.positions == [3, 2]  # coupled at len(history)
-
-
-def test_metadata_of_mixed_rows_pads_and_writes_point_masses_densely():
-    seqs = [sequence(), sequence(), sequence()]
-    dense = torch.softmax(torch.randn(3, 11, generator=torch.Generator().manual_seed(1)), -1)
-    proposals = [Proposal([3, 4], [-1, 0], None), Proposal([5, 6, 8], [-1, -1, 0], dense), NO_PROPOSAL]
-    meta = SpecMetadata.build(seqs, proposals, 11, torch.device("cpu"))
-    assert not meta.chain and meta.num_nodes == [2, 3, 0] and meta.positions == [3, None, 3]
-    assert meta.draft_token_ids.tolist() == [[3, 4, 0], [5, 6, 8], [0, 0, 0]]
-    assert meta.parents.tolist() == [[-1, 0, -1], [-1, -1, 0], [-1, -1, -1]]
-    assert torch.equal(meta.draft_probs[0, :2], point_mass(torch.tensor([3, 4]), 11))
-    assert torch.equal(meta.draft_probs[1], dense)

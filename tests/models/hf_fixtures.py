@@ -51,6 +51,30 @@ WORDS = [
     ],
 ]
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+# The Llama-family variants pdspec's own Llama code is checked on (tests/models/test_llama.py against
+# transformers, tests/models/test_conformance.py as a model backend): name -> (model_type, overrides
+# of make_family_checkpoint). Each rope type, Qwen2 with qkv bias, Mistral with a sliding window,
+# tied and untied heads.
+FAMILY_CASES = {
+    "llama-untied": ("llama", {}),
+    "llama-llama3-tied": (
+        "llama",
+        {"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 32}, "tie_word_embeddings": True},
+    ),
+    "llama-linear-bias": (
+        "llama",
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "attention_bias": True, "mlp_bias": True},
+    ),
+    # max_position_embeddings 32 < a 64-token sequence: the NTK base grows with the length
+    "llama-dynamic": (
+        "llama",
+        {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 32},
+    ),
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "mistral-window": ("mistral", {"sliding_window": 24}),
+}
+
 
 def make_tokenizer(directory: Path, words: list[str]):
     from tokenizers import Tokenizer, models, pre_tokenizers

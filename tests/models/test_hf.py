@@ -9,7 +9,6 @@ from engine.spec_config import SpeculativeConfig
 from models.hf import HFCausalLM, load_d2t_file, load_hf_pair
 from models.loader import load_pair
 from tests.models.hf_fixtures import make_pair_dirs
-from tests.tolerance import assert_fp_close, model_roundings
 
 # Needs the [hf] extra (installed by `make test` through the dev extra; optional for users).
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
@@ -19,49 +18,6 @@ pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 def hf_pair(request, tmp_path_factory):
     target, draft = make_pair_dirs(tmp_path_factory.mktemp(request.param), draft_kind=request.param)
     return load_hf_pair(target, draft)
-
-
-def full_pass(model, ids):
-    _, state = model.prefill(ids[:1])
-    return model.extend(state, ids[1:])
-
-
-def test_steps_truncate_and_extend_equal_one_forward(hf_pair):
-    ids = hf_pair.tokenizer.encode("the cat sat on the mat while a dog ran")
-    for model in (hf_pair.target, hf_pair.draft):
-        full = full_pass(model, ids)
-        _, state = model.prefill(ids[:1])
-        a = model.extend(state, ids[1:4])
-        model.extend(state, [3, 4, 5])  # rejected drafts
-        model.truncate(state, 4)
-        b = model.extend(state, ids[4:])
-        assert_fp_close(torch.cat([a, b]), full, model_roundings(model))
-
-
-def test_export_import_continues_identically(hf_pair):
-    target = hf_pair.target
-    ids = hf_pair.tokenizer.encode("the old red door and the bird")
-    _, state = target.prefill(ids)
-    tensors = target.export_state(state)
-    assert len(tensors) == len(target.kv_layout) == 4
-    for tensor, spec in zip(tensors, target.kv_layout, strict=True):
-        assert tuple(tensor.shape) == spec.shape_for(len(ids)) and tensor.dtype == spec.dtype
-    clone = target.import_state([t.clone() for t in tensors], ids)
-    assert_fp_close(target.extend(clone, ids[:3]), target.extend(state, ids[:3]), model_roundings(target))
-
-
-def test_batched_extend_equals_per_request(hf_pair):
-    """Ragged caches and ragged new tokens in one forward; the states continue correctly."""
-    for model in (hf_pair.target, hf_pair.draft):
-        prompts = [hf_pair.tokenizer.encode(t) for t in ("the cat", "a dog ran past the", "def")]
-        news = [[5, 6], [7], [8, 9, 10]]
-        states = [model.prefill(p)[1] for p in prompts]
-        batched = model.extend_batch(states, news)
-        for prompt, new, got, state in zip(prompts, news, batched, states, strict=True):
-            alone = model.prefill(prompt)[1]
-            assert_fp_close(got, model.extend(alone, new), model_roundings(model))
-            assert state.tokens == alone.tokens
-            assert_fp_close(model.extend(state, [4]), model.extend(alone, [4]), model_roundings(model))
 
 
 def test_draft_vocabulary_maps(hf_pair):

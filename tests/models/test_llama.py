@@ -20,29 +20,11 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
 from models.checkpoint import gguf_config, load_gguf_llama, load_hf_llama, unpermute_qk  # noqa: E402
 from models.llama import LlamaConfig, layer_skip_draft  # noqa: E402
 from models.loader import load_pair, resolve_dtype  # noqa: E402
+from tests.models.hf_fixtures import FAMILY_CASES as CASES  # noqa: E402
 from tests.models.hf_fixtures import make_family_checkpoint  # noqa: E402
 from tests.tolerance import assert_fp_close, model_roundings  # noqa: E402
 
 SEQ_LEN = 64
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-CASES = {
-    "llama-untied": ("llama", {}),
-    "llama-llama3-tied": (
-        "llama",
-        {"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 32}, "tie_word_embeddings": True},
-    ),
-    "llama-linear-bias": (
-        "llama",
-        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "attention_bias": True, "mlp_bias": True},
-    ),
-    # max_position_embeddings 32 < the 64-token sequence: the NTK base grows with the length
-    "llama-dynamic": (
-        "llama",
-        {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 32},
-    ),
-    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
-    "mistral-window": ("mistral", {"sliding_window": 24}),
-}
 
 
 def hf_model(path: Path, **overrides):
@@ -94,56 +76,6 @@ def test_logits_and_greedy_match_transformers(case):
     last, _ = own.prefill(ids)  # the prompt path (logits only at the last position)
     assert_fp_close(last, expected[-1], steps)
     assert greedy(own, ids, 16) == hf_greedy(reference, ids, 16)
-
-
-def test_extend_batch_ragged_equals_per_row(case):
-    name, _, own, _ = case
-    if "dynamic" in name:
-        pytest.skip("dynamic-NTK: a row's keys depend on the length at which they were computed")
-    prompts = [prompt(own.vocab_size, n, seed=n) for n in (5, 30, 1)]
-    news = [[4, 5, 6], [7], [8, 9, 10, 11, 12]]
-    states = [own.prefill(p)[1] for p in prompts]
-    before = own.positions_computed
-    batched = own.extend_batch(states, news)
-    assert own.positions_computed - before == sum(map(len, news))  # one forward, every new position once
-    for p, new, got, state in zip(prompts, news, batched, states, strict=True):
-        alone = own.prefill(p)[1]
-        assert_fp_close(got, own.extend(alone, new), model_roundings(own))
-        assert state.tokens == alone.tokens
-        assert_fp_close(own.extend(state, [3]), own.extend(alone, [3]), model_roundings(own))
-
-
-def test_truncate_then_extend_equals_fresh(case):
-    name, _, own, _ = case
-    if "dynamic" in name:
-        pytest.skip("dynamic-NTK: a row's keys depend on the length at which they were computed")
-    ids = prompt(own.vocab_size, 40)
-    _, state = own.prefill(ids[:20])
-    own.extend(state, [5, 6, 7, 8])  # rejected drafts
-    own.truncate(state, 20)
-    got = own.extend(state, ids[20:])
-    _, fresh = own.prefill(ids[:20])
-    assert_fp_close(got, own.extend(fresh, ids[20:]), model_roundings(own))
-    with pytest.raises(ValueError, match=r"length: expected 0\.\.40"):
-        own.truncate(state, 41)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_export_import_round_trip_recomputes_nothing(tmp_path, dtype):
-    path = make_family_checkpoint(tmp_path, "llama", seed=4)
-    own = load_hf_llama(path, dtype=dtype)
-    ids = prompt(own.vocab_size, 33)
-    _, state = own.prefill(ids)
-    tensors = own.export_state(state)
-    assert len(tensors) == len(own.kv_layout) == 4
-    for tensor, spec in zip(tensors, own.kv_layout, strict=True):
-        assert tuple(tensor.shape) == spec.shape_for(len(ids)) == (2, len(ids), 16) and tensor.dtype == dtype
-    before = own.positions_computed
-    clone = own.import_state([t.clone() for t in tensors], ids)
-    assert own.positions_computed == before  # the prompt was not recomputed
-    torch.testing.assert_close(own.extend(clone, [5, 6]), own.extend(state, [5, 6]), rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"tensors\[0\]: expected"):
-        own.import_state([t[:, :-1] for t in tensors], ids)
 
 
 def test_sharded_safetensors_index_loads(tmp_path):

@@ -41,42 +41,6 @@ def test_d2t_is_valid_non_identity(pair):
     assert pair.d2t.map_tokens(torch.tensor([0, 3])).tolist() == [EOS, ord(" ")]
 
 
-def test_extend_in_steps_truncate_equals_one_pass(pair):
-    ids = ByteTokenizer().encode("    return a - b\n")
-    for model in (pair.target, pair.draft):
-        _, full_state = model.prefill(ids[:1])
-        full = model.extend(full_state, ids[1:])  # [len-1, V]
-        _, state = model.prefill(ids[:1])
-        a = model.extend(state, ids[1:5])
-        model.extend(state, [7, 7, 7])  # rejected drafts
-        model.truncate(state, 5)
-        b = model.extend(state, ids[5:])
-        torch.testing.assert_close(torch.cat([a, b]), full, rtol=0, atol=1e-5)
-        assert state.tokens == ids
-
-
-def test_export_import_continues_identically(pair):
-    ids = ByteTokenizer().encode("def sub(")
-    for model in (pair.target, pair.draft):
-        _, state = model.prefill(ids)
-        tensors = model.export_state(state)
-        assert tensors == [] and model.kv_layout == ()
-        other = model.import_state(tensors, state.tokens)
-        torch.testing.assert_close(model.extend(other, [97, 44]), model.extend(state, [97, 44]), rtol=0, atol=0)
-
-
-def test_batched_extend_equals_per_request(pair):
-    tok = ByteTokenizer()
-    prompts = ["def", "hello w", "x"]
-    news = [tok.encode(" add"), tok.encode("orld"), []]
-    states = [pair.target.prefill(tok.encode(p))[1] for p in prompts]
-    batched = pair.target.extend_batch(states, news)
-    for prompt, new, got in zip(prompts, news, batched, strict=True):
-        _, state = pair.target.prefill(tok.encode(prompt))
-        torch.testing.assert_close(got, pair.target.extend(state, new), rtol=0, atol=0)
-    assert batched[2].shape == (0, ALPHABET)
-
-
 def test_training_is_deterministic():
     tokens = np.array([EOS, *b"abracadabra abracadabra", EOS], dtype=np.int64)
     identity = np.arange(ALPHABET)

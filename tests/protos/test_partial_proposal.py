@@ -31,8 +31,8 @@ def test_a_partial_point_mass_chain_of_at_most_k_ids_is_accepted(nodes):
     result = validate_decode_request(request, RECEIVER)
     assert isinstance(result, DecodeInput), result
     assert result.num_speculative_tokens == K_MAX  # K stays the request's cap
-    assert result.draft_token_ids.tolist() == list(request.proposal.token_ids)
-    assert result.draft_probs is None and result.draft_parents == []
+    assert result.proposal.token_ids == list(request.proposal.token_ids)
+    assert result.proposal.probs is None and result.proposal.parents == list(range(-1, nodes - 1))  # a chain
 
 
 @pytest.mark.parametrize("encoding", [ProposalEncoding.DENSE, ProposalEncoding.SPARSE])
@@ -40,8 +40,8 @@ def test_a_partial_chain_with_a_law_carries_one_row_per_id(encoding):
     request = with_k(valid_request(encoding, k=2, seed=3), K_MAX, partial=True)
     result = validate_decode_request(request, RECEIVER)
     assert isinstance(result, DecodeInput), result
-    assert result.num_speculative_tokens == K_MAX and len(result.draft_token_ids) == 2
-    assert tuple(result.draft_probs.shape) == (2, VT)  # [ids, Vt]
+    assert result.num_speculative_tokens == K_MAX and len(result.proposal.token_ids) == 2
+    assert tuple(result.proposal.probs.shape) == (2, VT)  # [ids, Vt]
 
 
 def test_a_partial_chain_of_more_than_k_ids_is_rejected():
@@ -92,7 +92,7 @@ def test_a_partial_tree_is_checked_as_a_tree():
     request.proposal.partial = True
     result = validate_decode_request(request, receiver)
     assert isinstance(result, DecodeInput), result
-    assert result.draft_parents == [-1, -1, 0] and result.num_speculative_tokens == K_MAX
+    assert result.proposal.parents == [-1, -1, 0] and result.num_speculative_tokens == K_MAX
     request.num_speculative_tokens = 1  # node 2 is at depth 2 > K
     assert "proposal.parents[2]" in violations(request, receiver)
 

@@ -15,15 +15,15 @@ def test_dense_and_sparse_decode_to_the_mapped_distribution(encoding, k):
     assert isinstance(result, DecodeInput), result
     _, probs = draft_law(k, k)
     expected = map_draft_probs_to_target(probs, torch.tensor(D2T), VT)
-    assert result.draft_probs.shape == (k, VT)
-    torch.testing.assert_close(result.draft_probs, expected, rtol=0, atol=1e-7)
+    assert result.proposal.probs.shape == (k, VT)
+    torch.testing.assert_close(result.proposal.probs, expected, rtol=0, atol=1e-7)
 
 
 def test_point_mass_decodes_to_none():
     result = validate_decode_request(valid_request(ProposalEncoding.POINT_MASS, k=3), RECEIVER)
-    assert isinstance(result, DecodeInput) and result.draft_probs is None
+    assert isinstance(result, DecodeInput) and result.proposal.probs is None
     draft_ids, _ = draft_law(3, 0, stochastic=False)
-    assert result.draft_token_ids.tolist() == torch.tensor(D2T)[draft_ids].tolist()
+    assert result.proposal.token_ids == torch.tensor(D2T)[draft_ids].tolist()
 
 
 def test_point_mass_law_shipped_dense_is_one_hot():

@@ -19,7 +19,7 @@ class ValidatingDecode(pdspec_pb2_grpc.DecodeServiceServicer):
         if not isinstance(result, DecodeInput):
             context.abort_with_status(to_grpc_status(result, request.request_id))
         yield pdspec_pb2.GenerateResponse(
-            request_id=request.request_id, token_ids=result.draft_token_ids.tolist(), finished=True
+            request_id=request.request_id, token_ids=result.proposal.token_ids, finished=True
         )
 
 

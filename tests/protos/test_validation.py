@@ -382,18 +382,17 @@ def test_fuzzed_messages(monkeypatch, encoding, k, seed, mutations):
             torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
             for a, b in zip(result.kv_cache, via_wire.kv_cache, strict=True)
         )
-        assert (result.draft_probs is None) == (via_wire.draft_probs is None)
-        assert result.draft_probs is None or torch.equal(
-            result.draft_probs.view(torch.uint8), via_wire.draft_probs.contiguous().view(torch.uint8)
+        assert (result.proposal.probs is None) == (via_wire.proposal.probs is None)
+        assert result.proposal.probs is None or torch.equal(
+            result.proposal.probs.view(torch.uint8), via_wire.proposal.probs.contiguous().view(torch.uint8)
         )
     else:
         assert via_wire == result
     if isinstance(result, DecodeInput):
         k = result.num_speculative_tokens
-        assert result.draft_token_ids.shape == (k,)
-        assert result.draft_probs is None or (
-            result.draft_probs.shape == (k, VT) and math.isclose(float(result.draft_probs.sum()), k, abs_tol=1e-2)
-        )
+        probs = result.proposal.probs
+        assert len(result.proposal.token_ids) == k
+        assert probs is None or (probs.shape == (k, VT) and math.isclose(float(probs.sum()), k, abs_tol=1e-2))
     else:
         assert result and all(v.field and v.expected and v.actual for v in result)
     if not mutations:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
+from sampling import ChainInputs
 from sampling.reference import acceptance_mask, emit_tokens
 from tests.sampling.tree_inputs import NAMES as TREE_NAMES
 from tests.sampling.tree_inputs import random_tree_inputs
@@ -100,14 +101,13 @@ def biased_rejection_sample(draft_token_ids, draft_probs, target_probs, target_t
 
     Kept so the statistical tests prove they can detect a biased sampler.
     """
-    accepted = acceptance_mask(draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample)
+    inputs = ChainInputs(draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample)
+    accepted = acceptance_mask(inputs)
     k = draft_token_ids.shape[1]
     accepted |= do_sample[:, None] & (target_token_ids[:, :k].long() == draft_token_ids.long())
     if k:
         accepted[:, 0] |= ~do_sample
-    return emit_tokens(
-        accepted, draft_token_ids, draft_probs, target_probs, target_token_ids, uniform_samples, do_sample
-    )
+    return emit_tokens(accepted, inputs)
 
 
 def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:

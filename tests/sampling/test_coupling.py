@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from sampling import RequestRng, SamplingParams, Verifier
+from sampling import RequestRng, SamplingParams, Verifier, VerifyBatch
 from tests.sampling.helpers import ALPHA, chi_square_pvalue
 from tests.sampling.stat_cases import P, Q
 
@@ -29,9 +29,10 @@ def failures(monkeypatch_at=None, tree: bool = False) -> list[str]:
     verifier = Verifier("torch")
     if tree:  # the chain as a tree: the tree kernel's greedy rule couples the same way
         parents = torch.arange(-1, K - 1).expand(ROWS, K)
-        result = verifier.verify_tree(drafts, parents, [K] * ROWS, None, logits, [PARAMS] * ROWS, rngs, positions)
+        batch = VerifyBatch(drafts, parents=parents, num_nodes=[K] * ROWS, positions=positions)
     else:
-        result = verifier.verify(drafts, None, logits, [PARAMS] * ROWS, rngs, positions)
+        batch = VerifyBatch(drafts, positions=positions)
+    result = verifier.verify(batch, logits, [PARAMS] * ROWS, rngs)
     out, emitted = result.output_token_ids, result.accepted_token_num
     found = []
     for i in range(K + 1):
@@ -83,5 +84,8 @@ def test_position_uniforms_are_uniform_and_keyed_by_position_alone():
 def test_a_coupled_row_needs_its_position_count():
     with pytest.raises(ValueError, match="positions: expected 2 entries, got 1"):
         Verifier("torch").verify(
-            torch.zeros(2, 1, dtype=torch.int64), None, torch.zeros(2, 2, 6), [PARAMS] * 2, [RequestRng(0)] * 2, [0]
+            VerifyBatch(torch.zeros(2, 1, dtype=torch.int64), positions=[0]),
+            torch.zeros(2, 2, 6),
+            [PARAMS] * 2,
+            [RequestRng(0)] * 2,
         )

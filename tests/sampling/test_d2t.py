@@ -89,3 +89,31 @@ def test_prevalidated_map_object_is_accepted():
     assert out.tolist() == [[0.75, 0.0, 0.25]]
     with pytest.raises(ValueError, match="target_vocab_size: expected 3"):
         map_draft_probs_to_target(torch.tensor([[0.25, 0.75]]), mapping, 4)
+
+
+def test_a_draw_becomes_a_target_space_proposal_whatever_its_law():
+    """Dense, sparse and point-mass laws through the one mapping site: the same target-space rows
+    (a sparse law is the dense one with its zeros left out), the ids and parents as given."""
+    from sampling import Drafted
+    from sampling.proposal import PREFILL
+
+    mapping = DraftToTargetMap(torch.tensor([4, 0, 4, 2, 4, 0]), 7)
+    dense = torch.tensor([[0.5, 0.0, 0.25, 0.0, 0.25, 0.0], [0.0, 0.5, 0.0, 0.5, 0.0, 0.0]])
+    ids, parents = [4, 0], [-1, 0]
+    drafted = Drafted([0, 1], ids, parents, dense)
+    got = mapping.proposal(ids, parents, dense, drafted=drafted)
+    assert (got.token_ids, got.parents, got.source, got.drafted) == (ids, parents, "draft", drafted)
+    assert torch.equal(got.probs, mapping.map_probs(dense))
+    assert got.probs.tolist() == [[0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0]]
+    sparse = mapping.proposal(
+        ids,
+        parents,
+        torch.tensor([[0.5, 0.25, 0.25], [0.5, 0.5, 0.0]]),
+        torch.tensor([[0, 2, 4], [1, 3, 1]]),
+        source=PREFILL,
+    )
+    assert sparse.source == PREFILL and torch.equal(sparse.probs, got.probs)
+    point = mapping.proposal(ids, parents, source=PREFILL)
+    assert point.probs is None and point.token_ids == ids and point.drafted is None
+    with pytest.raises(ValueError, match="probs: expected the"):
+        mapping.proposal(ids, parents, None, torch.tensor([[0], [1]]))

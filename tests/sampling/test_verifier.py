@@ -2,7 +2,7 @@
 
 import torch
 
-from sampling import DraftToTargetMap, RequestRng, SamplingParams, Verifier
+from sampling import DraftToTargetMap, RequestRng, SamplingParams, Verifier, VerifyBatch
 
 VT, VD, K = 12, 8, 3
 D2T = torch.tensor([11, 0, 3, 3, 5, 7, 1, 2])  # non-identity, many-to-one (3 <- 2 and 3)
@@ -21,7 +21,10 @@ def test_seeded_row_is_identical_alone_and_in_any_batch():
     verifier = Verifier(backend="torch")
     params = SamplingParams(do_sample=True, temperature=0.9, seed=1234)
     draft_ids, draft_probs, logits = step_inputs(1, seed=0)
-    alone = [verifier.verify(draft_ids, draft_probs, logits, [params], [RequestRng(1234)]).emitted(0) for _ in range(2)]
+    alone = [
+        verifier.verify(VerifyBatch(draft_ids, draft_probs), logits, [params], [RequestRng(1234)]).emitted(0)
+        for _ in range(2)
+    ]
     assert alone[0] == alone[1]
     for batch, position in ((5, 0), (17, 9), (64, 63)):
         other_ids, other_probs, other_logits = step_inputs(batch, seed=batch)
@@ -29,7 +32,7 @@ def test_seeded_row_is_identical_alone_and_in_any_batch():
         all_params = [SamplingParams(do_sample=b % 2 == 0, seed=b) for b in range(batch)]
         all_params[position] = params
         rngs = [RequestRng(p.seed) for p in all_params]
-        result = verifier.verify(other_ids, other_probs, other_logits, all_params, rngs)
+        result = verifier.verify(VerifyBatch(other_ids, other_probs), other_logits, all_params, rngs)
         assert result.emitted(position) == alone[0]
 
 
@@ -38,8 +41,8 @@ def test_consecutive_steps_draw_fresh_uniforms():
     params = [SamplingParams(do_sample=True, seed=7)] * 64
     rngs = [RequestRng(7 + i) for i in range(64)]
     draft_ids, draft_probs, logits = step_inputs(64, seed=3)
-    first = verifier.verify(draft_ids, draft_probs, logits, params, rngs).output_token_ids
-    second = verifier.verify(draft_ids, draft_probs, logits, params, rngs).output_token_ids
+    first = verifier.verify(VerifyBatch(draft_ids, draft_probs), logits, params, rngs).output_token_ids
+    second = verifier.verify(VerifyBatch(draft_ids, draft_probs), logits, params, rngs).output_token_ids
     assert not torch.equal(first, second)
 
 
@@ -48,7 +51,7 @@ def test_stats_are_consistent_with_outputs():
     batch = 40
     params = [SamplingParams(do_sample=b % 3 != 0, top_k=b % 5) for b in range(batch)]
     draft_ids, draft_probs, logits = step_inputs(batch, seed=4)
-    result = verifier.verify(draft_ids, draft_probs, logits, params, [RequestRng(b) for b in range(batch)])
+    result = verifier.verify(VerifyBatch(draft_ids, draft_probs), logits, params, [RequestRng(b) for b in range(batch)])
     stats = result.stats
     assert stats.draft_tokens.tolist() == [K] * batch
     assert (stats.accepted_tokens == result.accepted_token_num.long() - 1).all()
@@ -60,7 +63,7 @@ def test_greedy_rows_match_target_argmax():
     verifier = Verifier(backend="torch")
     draft_ids, _, logits = step_inputs(16, seed=5)
     draft_ids[:, 0] = logits[:, 0].argmax(-1)  # first draft always right
-    result = verifier.verify(draft_ids, None, logits, [SamplingParams()] * 16, [RequestRng(0)] * 16)
+    result = verifier.verify(VerifyBatch(draft_ids), logits, [SamplingParams()] * 16, [RequestRng(0)] * 16)
     greedy = logits.argmax(-1)
     for b in range(16):
         emitted = result.emitted(b)
@@ -76,7 +79,7 @@ def test_greedy_rows_draw_no_uniforms_and_emit_what_drawn_ones_would():
     params = [SamplingParams(do_sample=b % 3 == 0, temperature=0.8, top_k=1 if b == 6 else 0) for b in range(batch)]
     draft_ids, draft_probs, logits = step_inputs(batch, seed=6)
     rngs = [RequestRng(b) for b in range(batch)]
-    result = verifier.verify(draft_ids, draft_probs, logits, params, rngs)
+    result = verifier.verify(VerifyBatch(draft_ids, draft_probs), logits, params, rngs)
     for b, (p, rng) in enumerate(zip(params, rngs, strict=True)):
         fresh = RequestRng(b)
         if not p.is_greedy:
@@ -104,7 +107,7 @@ def test_greedy_tree_rows_draw_no_uniforms():
     draft_ids, draft_probs, logits = step_inputs(batch, seed=8)
     parents = torch.tensor([[-1, 0, 1]] * batch)  # chains, as trees
     rngs = [RequestRng(b) for b in range(batch)]
-    result = verifier.verify_tree(draft_ids, parents, [K] * batch, draft_probs, logits, params, rngs)
+    result = verifier.verify(VerifyBatch(draft_ids, draft_probs, parents, [K] * batch), logits, params, rngs)
     assert result.accepted_token_num.shape == (batch,)
     for b, (p, rng) in enumerate(zip(params, rngs, strict=True)):
         fresh = RequestRng(b)
