@@ -7,9 +7,10 @@ pair, both nodes in one process on loopback, the default --max-batch 32.
    them; once they hold every decode slot, `--canaries` short requests (16 new tokens, a
    `--deadline` s deadline) arrive one after another. Per canary: the time to its first token
    (the prefill node's), to its second (the decode node's first: when it got a slot), to its
-   end, and its status; with --preempt-after-steps 256 (the default) and 0 (off).
-2. Readers that stop: `--idle` clients ask for 4096 new tokens and never read; after 10 s, the
-   tokens the decode node generated for them, with --pause-backlog 64 (the default) and 0 (off).
+   end, and its status; for each --preempt-after-steps of `--after` (0: off).
+2. Readers that stop: `--idle` clients ask for 4096 new tokens and never read: the tokens the
+   decode node generated for them once the count stops growing (or after 60 s), with
+   --pause-backlog 64 (the default) and 0 (off).
 
 Writes bench/results/fairness-cpu-<date>-<commit>.json.
 """
@@ -78,7 +79,7 @@ def long_streams(pair, streams: int, canaries: int, deadline: float, after_steps
         }
 
 
-def idle_readers(pair, idle: int, backlog: int, seconds: float = 10.0) -> dict:
+def idle_readers(pair, idle: int, backlog: int, seconds: float = 60.0) -> dict:
     config = DecodeConfig(pause_backlog=backlog)
     with cluster(pair, config) as (client, _, decode):
         calls = [
@@ -86,19 +87,25 @@ def idle_readers(pair, idle: int, backlog: int, seconds: float = 10.0) -> dict:
             for s in range(idle)
         ]
         wait_until(lambda: decode.engine.running == idle, timeout=60, what="the idle streams to start")
-        time.sleep(seconds)
-        with decode.engine._lock:
-            held = list(decode.engine._active)
-        generated = sum(r.seq.generated for r in held)
+        started, counts = time.monotonic(), []
+        while time.monotonic() - started < seconds:  # until the count stops growing for 3 s
+            time.sleep(1.0)
+            with decode.engine._lock:
+                held = list(decode.engine._active)
+            finished = idle - len(held)
+            counts.append(sum(r.seq.generated for r in held) + finished * LONG)
+            if len(counts) > 3 and counts[-1] == counts[-4]:
+                break
         paused = sum(map(decode.engine.fairness.paused, held))
-        finished = idle - len(held)
+        generated = counts[-1]
         for call in calls:
             call.cancel()
         return {
             "pause_backlog": backlog,
             "streams": idle,
             "seconds": seconds,
-            "tokens_generated": generated + finished * LONG,
+            "tokens_generated": generated,
+            "seconds_run": len(counts),
             "paused_at_end": paused,
             "finished": finished,
         }
@@ -110,9 +117,13 @@ def main() -> None:
     parser.add_argument("--canaries", type=int, default=7)
     parser.add_argument("--deadline", type=float, default=5.0)
     parser.add_argument("--idle", type=int, default=16)
+    parser.add_argument("--after", default="256,64,0", help="--preempt-after-steps values to run")
     args = parser.parse_args()
     pair = load_pair()
-    runs = [long_streams(pair, args.streams, args.canaries, args.deadline, after) for after in (256, 0)]
+    runs = [
+        long_streams(pair, args.streams, args.canaries, args.deadline, after)
+        for after in map(int, args.after.split(","))
+    ]
     idles = [idle_readers(pair, args.idle, backlog) for backlog in (64, 0)]
     table_rows = []
     for run in runs:
@@ -142,9 +153,16 @@ def main() -> None:
         table_rows,
     )
     table += "\n\n" + markdown_table(
-        ["--pause-backlog", "idle streams", "tokens generated in 10 s", "paused at the end", "finished"],
+        ["--pause-backlog", "idle streams", "tokens generated", "after s", "paused at the end", "finished"],
         [
-            [i["pause_backlog"] or "off", i["streams"], i["tokens_generated"], i["paused_at_end"], i["finished"]]
+            [
+                i["pause_backlog"] or "off",
+                i["streams"],
+                i["tokens_generated"],
+                i["seconds_run"],
+                i["paused_at_end"],
+                i["finished"],
+            ]
             for i in idles
         ],
     )

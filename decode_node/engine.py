@@ -233,7 +233,7 @@ class DecodeEngine:
         with self._lock:
             room = self.config.max_batch - len(self._active)
             # A streamed request takes its KV before it takes a slot: its upload runs while it waits.
-            for request in list(self._pending):
+            for request in sorted(self._pending, key=self.fairness.rank):  # newcomers, then the preempted
                 if self.fairness.paused(request):
                     continue  # preempted, and its client still reads nothing: not a reason to hold the rest
                 if (len(admitted) >= room and not request.streamed) or not self._claim(request):

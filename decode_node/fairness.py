@@ -11,7 +11,8 @@ The decode engine (decode_node/engine.py) asks `Fairness.step` once per step, be
   slots are free, running requests give theirs up: paused ones, then those that have held their
   slot more than `after_steps` steps since they were (re)admitted (--preempt-after-steps),
   longest-held first, at most one per request left without a slot. A preempted request frees
-  its KV (target and draft) and waits at the back of the queue, keeping its `Sequence`: its
+  its KV (target and draft) and waits behind every waiting request that never ran (`rank`: a
+  newcomer, a short request, gets the next free slot), keeping its `Sequence`: its
   history, its generator, its adaptive-K state and its statistics. When its turn comes its KV
   is recomputed, as a prefill computes a prompt's: the target consumes its history but the last
   token over an empty reserved state (`claim_state`, `recompute`), and the proposer starts it
@@ -56,6 +57,11 @@ class Fairness:
         return (
             not request.cancelled.is_set() and (request.imported or not request.streamed) and not self.paused(request)
         )
+
+    def rank(self, request: Request) -> bool:
+        """Admission order (a stable sort of the queue): requests that never ran, in arrival
+        order, before preempted ones, in the order they were preempted."""
+        return request.preemptions > 0
 
     def step(self, active: Sequence[Request], pending: Sequence[Request]) -> list[Request]:
         """Once per engine step, with the engine's lock held: the running requests to preempt now."""
