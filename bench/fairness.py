@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--canaries", type=int, default=7)
     parser.add_argument("--deadline", type=float, default=5.0)
     parser.add_argument("--idle", type=int, default=16)
-    parser.add_argument("--after", default="256,64,0", help="--preempt-after-steps values to run")
+    parser.add_argument("--after", default="64,256,0", help="--preempt-after-steps values to run")
     args = parser.parse_args()
     pair = load_pair()
     runs = [

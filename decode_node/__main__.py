@@ -36,7 +36,7 @@ def build_parser():
     )
     parser.add_flag(
         "--preempt-after-steps",
-        default=256,
+        default=64,
         type=int,
         help="a running request that has held its batch slot this many steps while others wait for one gives it "
         "up, and resumes later with its KV recomputed (0: never)",

@@ -25,7 +25,7 @@ class DecodeConfig:
     # Fairness (decode_node/fairness.py): a running request that has held its slot this many steps
     # while others wait for one is preempted (0: never); a stream whose client has not read this
     # many events is paused (0: never).
-    preempt_after_steps: int = 256
+    preempt_after_steps: int = 64
     pause_backlog: int = 64
 
     def __post_init__(self) -> None:
