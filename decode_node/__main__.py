@@ -35,6 +35,19 @@ def build_parser():
         "start-up (a request's K is then its cap; auto: on for prompt-lookup and hybrid)",
     )
     parser.add_flag(
+        "--preempt-after-steps",
+        default=64,
+        type=int,
+        help="a running request that has held its batch slot this many steps while others wait for one gives it "
+        "up, and resumes later with its KV recomputed (0: never)",
+    )
+    parser.add_flag(
+        "--pause-backlog",
+        default=64,
+        type=int,
+        help="a stream whose client has not read this many messages is not stepped until it reads (0: never)",
+    )
+    parser.add_flag(
         "--accept-shm-kv",
         default=False,
         type=bool,
@@ -64,6 +77,8 @@ def engine_config(args) -> DecodeConfig:
         sampler_backend=args.sampler_backend,
         device=args.device,
         async_scheduling=args.async_scheduling,
+        preempt_after_steps=args.preempt_after_steps,
+        pause_backlog=args.pause_backlog,
     )
 
 

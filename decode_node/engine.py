@@ -9,7 +9,8 @@ run, and runs it for every active sequence: the speculative step of engine/spec_
 with async scheduling (on a GPU by default), a K = 0 step queued before the step before it is
 read (`spec_step.queue_plain`; docs/design.md §9 "Async scheduling"). A row that finished in
 step n also ran in a queued step n+1: that token is dropped, and its KV is freed once step
-n+1 is read. Emitted tokens go to the request's event queue; the servicer streams them.
+n+1 is read. Emitted tokens go to the request's event queue; the servicer streams them. Paused
+readers and preemption (KV recomputed when resumed) keep waits bounded: decode_node/fairness.py.
 """
 
 from __future__ import annotations
@@ -17,20 +18,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from common.transfer import Buffer
+from decode_node.config import DecodeConfig
+from decode_node.fairness import Fairness, claim_state, recompute
 from decode_node.request import Event, QueueFull, Request
 from engine import spec_step
 from engine.adaptive import StepCosts
 from engine.device import on_device
-from engine.options import ASYNC_SCHEDULING
 from engine.proposer import Proposer
 from engine.proposers import proposer_for
 from engine.sequence import Sequence
-from engine.spec_config import SpeculativeConfig
 from engine.spec_policy import SpecPolicy
 from models.base import import_tensors
 from models.pair import ModelPair
@@ -41,29 +40,6 @@ from sampling.logprobs import TokenLogprob
 from sampling.proposal import PREFILL, Proposal
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    max_batch: int = 32  # requests per engine step
-    max_queue: int = 128  # requests waiting for a batch slot; beyond that: QueueFull
-    default_max_new_tokens: int = 64
-    sampler_backend: str = "auto"
-    device: str = "cpu"
-    async_scheduling: str = "auto"  # on | off | auto (on where the device is a GPU)
-    step_costs: StepCosts | None = None  # adaptive K's cost table; None: measured at start-up (calibrate)
-
-    def __post_init__(self) -> None:
-        if self.async_scheduling not in ASYNC_SCHEDULING:
-            raise ValueError(f"async_scheduling: expected one of {ASYNC_SCHEDULING}, got {self.async_scheduling!r}")
-
-    @property
-    def pipelined(self) -> bool:
-        """Whether K = 0 steps are queued before the step before them is read."""
-        if self.async_scheduling == "auto":
-            return torch.device(self.device).type == "cuda"
-        return self.async_scheduling == "on"
 
 
 @dataclass
@@ -94,6 +70,7 @@ class DecodeEngine:
         self.proposer = proposer or proposer_for(pair, config.spec, config.device)
         costs = config.step_costs or StepCosts((1.0,) * (config.spec.max_speculative_tokens + 1))
         self.policy = SpecPolicy(config.spec, self.proposer, costs, self.pipelined)
+        self.fairness = Fairness(config.max_batch, config.preempt_after_steps, config.pause_backlog, metrics)
         self._lock = threading.Condition()
         self._pending: list[Request] = []
         self._active: list[Request] = []
@@ -236,7 +213,7 @@ class DecodeEngine:
         with on_device(self.config.device):
             ran = self._step()
         self.policy.timed(time.perf_counter() - started)
-        if deliver or not self._active:
+        if deliver or not (ran and self._active):  # nothing ran (none left, or all paused): now
             self._deliver()
         if ran and self.metrics:
             self.metrics.engine_step.labels("decode").observe(time.perf_counter() - started)
@@ -252,18 +229,21 @@ class DecodeEngine:
 
     def _step(self) -> bool:
         """One step; False when no request was running (nothing was timed)."""
+        self._preempt()
         admitted = []
         with self._lock:
             room = self.config.max_batch - len(self._active)
             # A streamed request takes its KV before it takes a slot: its upload runs while it waits.
-            for request in list(self._pending):
+            for request in sorted(self._pending, key=self.fairness.rank):  # newcomers, then the preempted
+                if self.fairness.paused(request):
+                    continue  # preempted, and its client still reads nothing: not a reason to hold the rest
                 if (len(admitted) >= room and not request.streamed) or not self._claim(request):
                     break  # what is behind it waits its turn
                 if len(admitted) < room and (request.imported or not request.streamed):
                     self._pending.remove(request)
                     admitted.append(request)
-            if not admitted and not self._active:
-                self._lock.wait(0.01)  # nothing can start now (no slot or KV): do not spin
+            if not admitted and all(map(self.fairness.paused, self._active)):
+                self._lock.wait(0.01)  # nothing can start or run now (no slot or KV, no reader): do not spin
         for request in admitted:
             try:
                 self._admit(request)
@@ -282,7 +262,8 @@ class DecodeEngine:
                 if request not in unread:
                     self._finish(request, [], "length")
                 continue  # else the token in flight is its last: reading it finishes the request
-            live.append(request)
+            if not self.fairness.paused(request):
+                live.append(request)
         if not live and inflight is None:
             self._sweep()
             return False
@@ -329,18 +310,33 @@ class DecodeEngine:
             return True  # reserved already, or admitted only to be retired at once
         if not all(model.can_reserve(request.kv_need) for _, model in self._kv_models()):
             return False
-        seq.target_state = self.pair.target.begin_import(seq.prompt, request.kv_need)
+        seq.target_state = claim_state(self.pair.target, request)
         request.reserved.set()
         return True
 
-    def _retire(self, request: Request) -> None:
-        """Free a leaving request's KV (finished, cancelled, expired or failed)."""
+    def _retire(self, request: Request, preempted: bool = False) -> None:
+        """Free a leaving request's KV (finished, cancelled, expired or failed), or a preempted one's."""
         seq = request.seq
         if seq.target_state is not None:
             self.pair.target.release(seq.target_state)
             seq.target_state = None
         self.proposer.stop(seq)
-        self.policy.forget(seq)
+        if not preempted:
+            self.policy.forget(seq)
+
+    def _preempt(self) -> None:
+        """Free the slots and KV of those `Fairness.step` picks: they requeue, their sequences kept."""
+        with self._lock:
+            victims = self.fairness.step(self._active, self._pending)
+        if self._inflight is not None and set(victims) & set(self._inflight.requests):
+            self._drain()  # the device may still write their KV
+        for request in victims:
+            if not request.cancelled.is_set():  # else it finished in the step just read
+                self._active.remove(request)
+                self._retire(request, preempted=True)
+                self.fairness.preempted(request)
+                with self._lock:
+                    self._pending.append(request)
 
     # -- internals --------------------------------------------------------------------
     def _admit(self, request: Request) -> None:
@@ -349,12 +345,15 @@ class DecodeEngine:
         if request.cancelled.is_set():
             return  # never starts: _retire frees what _claim reserved
         seq, data = request.seq, request.input
-        if not request.streamed:
+        self.fairness.admitted(request)
+        if request.preemptions:
+            recompute(self.pair.target, seq.history, seq.target_state)
+        elif not request.streamed:
             import_tensors(self.pair.target, seq.target_state, data.kv_cache)
         self.policy.admit(seq)
         if seq.k:  # a request that never drafts needs no drafting state
             self.proposer.start([seq], [request.kv_need])
-        if self.metrics:
+        if self.metrics and not request.preemptions:
             self.metrics.queue_time.labels("decode").observe(time.monotonic() - request.arrived)
             self.metrics.prompt_tokens.labels("decode").inc(len(seq.prompt))
 

@@ -44,3 +44,5 @@ class Request:
     streamed: bool = False
     reserved: threading.Event = field(default_factory=threading.Event)
     imported: bool = False
+    since: int = 0  # the engine step it was last admitted at (decode_node/fairness.py)
+    preemptions: int = 0  # times it gave its slot up; once preempted, admission recomputes its KV

@@ -44,6 +44,7 @@ class Stats:
     chosen_k: list[int] = field(default_factory=list)  # this node's steps by the K chosen for them
     method: str = ""  # the speculative method
     prompt_lookup_tokens: int = 0  # draft tokens prompt lookup proposed
+    preemptions: int = 0  # decode node: times it gave its batch slot up (decode_node/fairness.py)
 
     def record(self, proposal: Proposal, path: list[int]) -> list[int]:
         """A verified proposal whose nodes `path` were accepted; returns their ranks among siblings."""

@@ -61,7 +61,9 @@ class SpecPolicy:
 
     # -- rows ---------------------------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
-        self._rows[seq] = _Row(AdaptiveK(seq.k) if self.spec.adaptive and seq.k else None)
+        """A row joins the batch; one that was preempted and comes back keeps what it had shown."""
+        if seq not in self._rows:
+            self._rows[seq] = _Row(AdaptiveK(seq.k) if self.spec.adaptive and seq.k else None)
 
     def forget(self, seq: Sequence) -> None:
         self._rows.pop(seq, None)

@@ -130,6 +130,12 @@ class NodeMetrics:
         self.prompt_tokens = Counter(
             "pdspec_prompt_tokens", "Prompt tokens of admitted requests", ["node"], registry=reg
         )
+        self.preemptions = Counter(
+            "pdspec_preemptions",
+            "Decode: running requests that gave their batch slot up to waiting ones (recomputed when resumed)",
+            ["node"],
+            registry=reg,
+        )
         self.running = Gauge("pdspec_running_requests", "Requests in the running batch", ["node"], registry=reg)
         self.waiting = Gauge("pdspec_waiting_requests", "Requests waiting for a batch slot", ["node"], registry=reg)
         self.inter_token_latency = Histogram(
@@ -195,7 +201,14 @@ class NodeMetrics:
         self.time_to_first_token.labels(self.node)
         self.kv_bytes.labels(self.node)
         self.generated_tokens.labels(self.node)
-        for family in (self.prompt_tokens, self.running, self.waiting, self.inter_token_latency, self.queue_time):
+        for family in (
+            self.prompt_tokens,
+            self.preemptions,
+            self.running,
+            self.waiting,
+            self.inter_token_latency,
+            self.queue_time,
+        ):
             family.labels(self.node)
         for encoding in ("dense", "point-mass", "sparse"):
             self.proposal_bytes.labels(self.node, encoding)

@@ -55,6 +55,8 @@ def run(
     cancel_after: dict[int, int] | None = None,
     method: str = "draft",
     gate: str = "off",
+    max_batch: int = 8,
+    preempt_after_steps: int = 0,
 ):
     """The requests through a prefill engine and a decode engine stepped by hand: per request,
     (tokens, finish reason); `cancel_after` {request: steps} cancels it after that many steps.
@@ -64,8 +66,9 @@ def run(
     prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(method=method)))
     config = DecodeConfig(
         spec=SpeculativeConfig(max_speculative_tokens=4, method=method),
-        max_batch=8,
+        max_batch=max_batch,
         async_scheduling=scheduling,
+        preempt_after_steps=preempt_after_steps,
         step_costs=StepCosts((1.0, 1.2, 1.3, 1.4, 1.5)),
     )
     decode = DecodeEngine(pair, config)
@@ -107,6 +110,7 @@ def run(
                 out[i] = (tokens, "cancelled")
     assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
     run.computed = pair.target.positions_computed - computed
+    run.preemptions = decode.fairness.preemptions
     return out
 
 
@@ -130,6 +134,18 @@ def test_a_row_that_stops_while_a_step_is_in_flight_drops_its_token(pair):
     sync, pipelined = run(pair, requests, "off"), run(pair, requests, "on")
     assert pipelined == sync
     assert pipelined[0] == (tokens[:cut], "stop") and pipelined[2][1] == "length" and len(pipelined[2][0]) == 2
+
+
+@pytest.mark.parametrize("scheduling", ["off", "on"])
+def test_preempted_rows_resume_with_the_same_tokens(pair, scheduling):
+    """Six requests for two slots, a row preempted after 3 steps while others wait: its paged KV
+    is freed and recomputed when it comes back (with async scheduling, once the queued step
+    that holds it is read), and every row gives the tokens of the unpreempted run."""
+    requests = [request(5 + 3 * i, k=4 * (i % 2), seed=None if i % 3 else i, max_new=16) for i in range(6)]
+    alone = run(pair, requests, "off")
+    preempted = run(pair, requests, scheduling, max_batch=2, preempt_after_steps=3)
+    assert run.preemptions > 0
+    assert preempted == alone
 
 
 def test_cancelled_rows_give_back_their_blocks(pair):
