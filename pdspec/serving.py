@@ -78,6 +78,7 @@ class NodeShell:
             interceptors=list(interceptors),
         )
         self.tls = tls
+        self.interceptors = tuple(interceptors)
         self.health = health.HealthServicer()
         self.set_serving(False)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +175,7 @@ class TooLarge:
 OVERSIZE_MARGIN_FRACTION = 4  # the ceiling is the limit plus a quarter of it...
 OVERSIZE_MARGIN_MIN = 1 << 20  # ...and at least 1 MiB above it
 GRPC_DEFAULT_MAX_RECEIVE = 4 << 20  # grpcio's default receive limit
+GRPC_ENDS_CALL_S = 0.5  # how long a call whose message gRPC refused may take to end
 
 
 def transport_ceiling(limit: int) -> int:
@@ -216,6 +218,8 @@ class ServiceGuard(grpc.ServerInterceptor):
         self.what = what
         self.max_request_bytes = max_request_bytes
         self.uncounted = {f"{self.prefix}{name}" for name in uncounted}
+        self.waiting = 0  # single-request calls waiting for their message
+        self._lock = threading.Lock()
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -278,15 +282,25 @@ class ServiceGuard(grpc.ServerInterceptor):
         def single(requests, context):
             if refused is not None:
                 self._refuse(context, *refused)
+            with self._lock:
+                self.waiting += 1
             try:
                 request = next(requests)
             except StopIteration:
+                # No message: gRPC dropped one above its own limit (transport_ceiling) and ends
+                # the call RESOURCE_EXHAUSTED itself, at once; or the client sent none.
+                ended = threading.Event()
+                if not context.add_callback(ended.set) or ended.wait(GRPC_ENDS_CALL_S):
+                    self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "request message above gRPC's limit")
                 self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "expected one request message, got none")
             except grpc.RpcError:  # ended before its message arrived (deadline, cancel, gRPC's size limit)
                 code = ended_status(context)
                 if counted:
                     self.count(code)
                 context.abort(getattr(grpc.StatusCode, code), "the call ended before its request arrived")
+            finally:
+                with self._lock:
+                    self.waiting -= 1
             problem = self._problem(request)
             if problem is not None:
                 self._refuse(context, *problem)
