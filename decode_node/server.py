@@ -27,7 +27,7 @@ from engine.proposer import PROPOSAL_SOURCES
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics, SummaryLogger
 from pdspec.modelspec import ModelSpec, backends, model_dtype
-from pdspec.serving import NodeShell
+from pdspec.serving import NodeShell, pin_torch_threads
 from pdspec.tls import ServerTls, ServiceGuard, transport_ceiling
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.contract import max_message_bytes
@@ -99,6 +99,7 @@ class DecodeNodeConfig:
     # --peer-token-file: DecodeService calls must carry `authorization: Bearer <token>` (the
     # prefill node's); None = any caller that reaches the port (a private network only)
     peer_token: str | None = None
+    torch_threads: int | None = None  # --torch-threads (resolved); None = torch's own default
 
 
 class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
@@ -507,6 +508,7 @@ def run_server(
     engine_factory: Callable[..., DecodeEngine] = DecodeEngine,
 ) -> Iterator[RunningDecodeNode]:
     """Load the models, start serving; NOT_SERVING is reported until both are done."""
+    pin_torch_threads(config.torch_threads, "decode")
     config.models.check_memory()
     pair = paged_pair(
         (pair_loader or config.models.load)(),

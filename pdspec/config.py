@@ -144,6 +144,13 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
     parser.add_flag("--max-prompt-tokens", default=8192, type=int, help="longest prompt a request may send")
     parser.add_flag("--max-message-bytes", default=None, type=int, help="gRPC message limit (default: derived)")
     parser.add_flag(
+        "--torch-threads",
+        default=0,
+        type=int,
+        help="torch's intra-op CPU threads for the whole process, set at start-up (0: the cores this process "
+        "may use); model work runs on the node's engine thread, so this is the one OpenMP team",
+    )
+    parser.add_flag(
         "--peer-token-file",
         default=None,
         type=Path,
@@ -210,7 +217,17 @@ def node_options(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
         "grace_s": args.grace_seconds,
         "tls": tls,
         "peer_token": read_peer_token(args.peer_token_file, parser),
+        "torch_threads": torch_threads(args.torch_threads, parser),
     }
+
+
+def torch_threads(requested: int, parser: argparse.ArgumentParser | None = None) -> int:
+    """--torch-threads resolved: 0 is the number of cores this process may run on."""
+    if requested < 0:
+        if parser is None:
+            raise ValueError(f"--torch-threads: expected 0 or more, got {requested}")
+        parser.error(f"--torch-threads: expected 0 or more, got {requested}")
+    return requested or len(os.sched_getaffinity(0))
 
 
 PEER_TOKEN = re.compile(r"[\x21-\x7e]{16,4096}")  # what gRPC metadata carries as it is

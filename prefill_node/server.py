@@ -25,7 +25,7 @@ from engine.paged_lm import kv_pool_bytes, paged_pair
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics, SummaryLogger
 from pdspec.modelspec import ModelSpec, backends, model_dtype
-from pdspec.serving import NodeShell
+from pdspec.serving import NodeShell, pin_torch_threads
 from pdspec.tls import GRPC_DEFAULT_MAX_RECEIVE, ClientTls, ServerTls, ServiceGuard, channel, transport_ceiling
 from prefill_node.engine import KvTransport, PrefillConfig, PrefillEngine
 from prefill_node.service import GenerationService, RequestFailed
@@ -96,6 +96,7 @@ class PrefillNodeConfig:
     # --peer-token-file: sent as `authorization: Bearer <token>` on every DecodeService call
     # (the decode node's --peer-token-file must hold the same token); None = none sent
     peer_token: str | None = None
+    torch_threads: int | None = None  # --torch-threads (resolved); None = torch's own default
 
 
 class DecodePeer:
@@ -297,6 +298,7 @@ def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.No
 def run_server(
     config: PrefillNodeConfig, pair_loader: Callable[[], ModelPair] | None = None
 ) -> Iterator[RunningPrefillNode]:
+    pin_torch_threads(config.torch_threads, "prefill")
     config.models.check_memory()
     pair = paged_pair(
         (pair_loader or config.models.load)(),
