@@ -95,6 +95,21 @@ def test_calls_without_the_right_token_are_unauthenticated_and_counted(guarded):
     assert requests_total(decode, "UNAUTHENTICATED") - before == 15
 
 
+def test_pdspec_info_asks_a_guarded_decode_node_with_the_token(guarded, tmp_path, capsys):
+    import json
+
+    from pdspec import cli
+
+    _, _, decode = guarded
+    argv = ["info", "--node", "decode", "--decode-addr", f"127.0.0.1:{decode.port}"]
+    assert cli.main(argv) == 1  # no token: UNAUTHENTICATED
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    assert cli.main([*argv, "--peer-token-file", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["decode"]["role"] == "decode"
+
+
 def test_a_prefill_node_with_another_token_never_serves(guarded, pair):
     _, _, decode = guarded
     config = PrefillNodeConfig(
