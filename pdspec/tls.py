@@ -175,7 +175,7 @@ class TooLarge:
 OVERSIZE_MARGIN_FRACTION = 4  # the ceiling is the limit plus a quarter of it...
 OVERSIZE_MARGIN_MIN = 1 << 20  # ...and at least 1 MiB above it
 GRPC_DEFAULT_MAX_RECEIVE = 4 << 20  # grpcio's default receive limit
-GRPC_ENDS_CALL_S = 0.5  # how long a call whose message gRPC refused may take to end
+GRPC_ENDS_CALL_S = 0.5  # how long gRPC may take to report the end of a call whose message did not come
 
 
 def transport_ceiling(limit: int) -> int:
@@ -286,14 +286,13 @@ class ServiceGuard(grpc.ServerInterceptor):
                 self.waiting += 1
             try:
                 request = next(requests)
-            except StopIteration:
-                # No message: gRPC dropped one above its own limit (transport_ceiling) and ends
-                # the call RESOURCE_EXHAUSTED itself, at once; or the client sent none.
+            except (StopIteration, grpc.RpcError):
+                # No message: the client half-closed without one, or the call ended (deadline,
+                # cancel, or a message above gRPC's own limit, which Python never sees and
+                # cannot tell from a cancel); gRPC may report the end a moment after the read.
                 ended = threading.Event()
-                if not context.add_callback(ended.set) or ended.wait(GRPC_ENDS_CALL_S):
-                    self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "request message above gRPC's limit")
-                self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "expected one request message, got none")
-            except grpc.RpcError:  # ended before its message arrived (deadline, cancel, gRPC's size limit)
+                if context.add_callback(ended.set) and not ended.wait(GRPC_ENDS_CALL_S):
+                    self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "expected one request message, got none")
                 code = ended_status(context)
                 if counted:
                     self.count(code)

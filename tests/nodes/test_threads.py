@@ -6,6 +6,7 @@ step, 171 -> 239 native threads over three rounds of 1,000 requests at 32-way)."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent import futures
@@ -44,6 +45,11 @@ def counted_threads() -> tuple[int, int, int]:
     return len(other), len(python), len(native)
 
 
+def other_names() -> list[str]:
+    python = {t.native_id for t in threading.enumerate()}
+    return sorted(name for tid, name in native_threads().items() if tid not in python)
+
+
 def test_native_threads_stay_flat_under_sustained_load(pair):
     previous = torch.get_num_threads()
     try:
@@ -62,18 +68,26 @@ def test_native_threads_stay_flat_under_sustained_load(pair):
 
             def load(offset: int) -> None:
                 with futures.ThreadPoolExecutor(CONCURRENCY) as pool:
-                    assert set(pool.map(one, range(offset, offset + ROUND))) == {8}
+                    assert all(1 <= n <= 8 for n in pool.map(one, range(offset, offset + ROUND)))  # EOS may end one
                 wait_until(lambda: decode.engine.load == 0 and prefill.service.in_flight == 0, what="idle")
 
-            load(0)  # warm-up: worker pools, caches, the engines' teams
-            load(ROUND)
-            before = counted_threads()
-            for round_ in range(2, 5):
-                load(ROUND * round_)
-            after = counted_threads()
-        print(f"threads outside Python and gRPC core, Python threads, all: {before} -> {after}")
-        assert after[0] <= before[0], (before, after)  # no OpenMP team per worker thread
-        assert after[1] <= before[1] + 2, (before, after)  # the worker pools stay at their working size
+            for i in range(4):  # one request at a time: the engines' threads and their teams exist
+                one(i)
+            start = counted_threads()
+            rounds = []
+            for round_ in range(3):  # 720 requests at 24-way
+                load(ROUND * (round_ + 1))
+                # A thread that is ending (a Python thread past its last bytecode, a client pool's)
+                # is gone a moment later: wait for the count to come back. A leaked team never does.
+                with contextlib.suppress(AssertionError):  # asserted below, with the figures
+                    wait_until(lambda: counted_threads()[0] <= start[0], timeout=10, what="transient threads gone")
+                rounds.append(counted_threads())
+        print(f"threads outside Python and gRPC core, Python threads, all: {start} -> {rounds}")
+        # No OpenMP team per gRPC worker thread: the count after sustained load is the count of
+        # a node that served one request at a time (before the fix: 3 -> 23-28 at 24-way).
+        assert all(r[0] <= start[0] for r in rounds), (start, rounds, other_names())
+        # The worker pools stop growing at their working size.
+        assert all(r[1] <= rounds[0][1] + 2 for r in rounds), (start, rounds)
     finally:
         torch.set_num_threads(previous)
 
