@@ -154,6 +154,7 @@ class PrefillEngine:
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
         self._wake = threading.Event()
+        self._waiters: list[threading.Event] = []  # what callers wait for (guarded by _jobs_lock)
 
     @property
     def trees(self) -> bool:
@@ -281,11 +282,25 @@ class PrefillEngine:
         return Ticket(self, job)
 
     def _run_until(self, event: threading.Event) -> None:
-        """Wait until `event` is set while the engine thread steps (a queued job waits for
-        the first caller that waits: requests submitted together share their first step)."""
-        while not event.is_set():
-            self._start()
-            event.wait(IDLE_EXIT_S)
+        """Wait until `event` is set while the engine thread steps. It steps only while a
+        caller waits for something not yet there, as if the callers stepped it themselves:
+        requests submitted together share their first step, and a job nobody waits for (an
+        abandoned one, the rest of one whose first token was taken) waits too."""
+        if event.is_set():
+            return
+        with self._jobs_lock:
+            self._waiters.append(event)
+        try:
+            while not event.is_set():
+                self._start()
+                event.wait(IDLE_EXIT_S)
+        finally:
+            with self._jobs_lock:
+                self._waiters.remove(event)
+
+    def _wanted(self) -> bool:
+        """A step is due: jobs are queued and a caller waits (hold `_jobs_lock`)."""
+        return bool(self._jobs) and any(not waiting.is_set() for waiting in self._waiters)
 
     def _start(self) -> None:
         with self._thread_lock:
@@ -295,15 +310,15 @@ class PrefillEngine:
         self._wake.set()
 
     def _loop(self) -> None:
-        """The engine thread: steps while there are jobs; ends after IDLE_EXIT_S without any."""
+        """The engine thread: steps while one is due; ends after IDLE_EXIT_S without one."""
         with on_device(self.config.device):
             while True:
                 with self._jobs_lock:
-                    pending = bool(self._jobs)
-                if not pending:
+                    due = self._wanted()
+                if not due:
                     if not self._wake.wait(IDLE_EXIT_S):
                         with self._thread_lock, self._jobs_lock:
-                            if not self._jobs:  # a submit after this sees no thread and starts one
+                            if not self._wanted():  # a caller after this sees no thread and starts one
                                 self._thread = None
                                 return
                     self._wake.clear()
