@@ -26,8 +26,8 @@ from engine.paged_lm import kv_pool_bytes, paged_pair
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics, SummaryLogger
 from pdspec.modelspec import ModelSpec, backends, model_dtype
-from pdspec.serving import NodeShell
-from pdspec.tls import ServerTls, ServiceGuard
+from pdspec.serving import NodeShell, pin_torch_threads
+from pdspec.tls import ServerTls, ServiceGuard, transport_ceiling
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.contract import max_message_bytes
 from protos.proposal import ProposalEncoding, choose_encoding
@@ -96,6 +96,10 @@ class DecodeNodeConfig:
     log_stats_s: float = 10.0  # period of the summary log line (0 = off)
     tls: ServerTls | None = None  # TLS; with its `ca`, mTLS: only clients that CA signed
     accept_shm_kv: bool = False  # --accept-shm-kv: take a KV in shared memory (DecodeRequest.kv_shm)
+    # --peer-token-file: DecodeService calls must carry `authorization: Bearer <token>` (the
+    # prefill node's); None = any caller that reaches the port (a private network only)
+    peer_token: str | None = None
+    torch_threads: int | None = None  # --torch-threads (resolved); None = torch's own default
 
 
 class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
@@ -125,6 +129,11 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
             yield from body(started, outcome)
         except GeneratorExit:  # gRPC closed the stream: the client cancelled or its deadline passed
             outcome[0] = ended_status(context)
+            raise
+        except Exception:  # an abort from a read of the request stream (ServiceGuard), or a fault
+            if outcome[0] == "OK":
+                code = context.code()
+                outcome[0] = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
             raise
         finally:
             self.metrics.finish_request(started, outcome[0])
@@ -475,9 +484,11 @@ def node_info(pair: ModelPair, config: DecodeNodeConfig, engine: DecodeEngine) -
 
 
 def server_options(limit: int) -> list[tuple[str, int]]:
-    """The decode node's gRPC server settings (bench/wire_kv.py serves with them too)."""
+    """The decode node's gRPC server settings (bench/wire_kv.py serves with them too). gRPC's
+    receive limit is above `limit`: the node's ServiceGuard refuses (and counts) what is
+    between the two (pdspec.tls.transport_ceiling)."""
     return [
-        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_receive_message_length", transport_ceiling(limit)),
         ("grpc.max_send_message_length", limit),
         # the prefill node's keepalive pings (how it notices a dead peer within seconds)
         ("grpc.keepalive_permit_without_calls", 1),
@@ -497,6 +508,7 @@ def run_server(
     engine_factory: Callable[..., DecodeEngine] = DecodeEngine,
 ) -> Iterator[RunningDecodeNode]:
     """Load the models, start serving; NOT_SERVING is reported until both are done."""
+    pin_torch_threads(config.torch_threads, "decode")
     config.models.check_memory()
     pair = paged_pair(
         (pair_loader or config.models.load)(),
@@ -528,7 +540,15 @@ def run_server(
         metrics=metrics,
         metrics_port=config.metrics_port,
         tls=config.tls,
-        interceptors=[ServiceGuard(SERVICE, lambda code: metrics.finish_request(time.monotonic(), code))],
+        interceptors=[
+            ServiceGuard(
+                SERVICE,
+                lambda code: metrics.finish_request(time.monotonic(), code),
+                config.peer_token,
+                what="peer token",
+                max_request_bytes=limit,
+            )
+        ],
     )
     engine = engine_factory(pair, config.engine, metrics)
     engine.calibrate()
@@ -561,12 +581,20 @@ def run_server(
     summary.start()
     shell.set_serving(True)
     log.info(
-        "decode node serving on %s:%d (%s, message limit %d bytes)",
+        "decode node serving on %s:%d (%s, %s, message limit %d bytes)",
         config.host,
         shell.port,
         "plaintext" if config.tls is None else "mTLS" if config.tls.mutual else "TLS",
+        "peer token required" if config.peer_token else "no peer token",
         limit,
     )
+    if config.peer_token is None and (config.tls is None or not config.tls.mutual):
+        log.warning(
+            "DecodeService accepts any caller that reaches %s:%d (no --peer-token-file, no mTLS): "
+            "keep the port on a private network",
+            config.host,
+            shell.port,
+        )
     try:
         yield RunningDecodeNode(shell.server, shell.port, metrics, shell.metrics_port, engine, shell)
     finally:

@@ -6,12 +6,13 @@ import functools
 import json
 import sys
 import time
+from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
 
 from pdspec.client import Client, decode_info
-from pdspec.config import EnvArgumentParser
+from pdspec.config import EnvArgumentParser, read_peer_token
 from pdspec.tls import ClientTls, add_client_flags
 
 
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             ("--prefill-addr", {"default": "localhost:50051", "help": "prefill node"}),
             ("--decode-addr", {"default": "localhost:50052", "help": "decode node"}),
             ("--node", {"default": "both", "choices": ["both", "prefill", "decode"], "help": "which node to ask"}),
+            ("--peer-token-file", {"default": None, "help": "the decode node's peer token, when it requires one"}),
         ],
     )
     _security_flags(info)
@@ -162,7 +164,8 @@ def _info(args) -> int:
         with _client(args) as client:
             out["prefill"] = _info_dict(client.info())
     if args.node in ("both", "decode"):
-        out["decode"] = _info_dict(decode_info(args.decode_addr, tls=args.tls))
+        token = read_peer_token(Path(args.peer_token_file)) if args.peer_token_file else None
+        out["decode"] = _info_dict(decode_info(args.decode_addr, tls=args.tls, peer_token=token))
     print(json.dumps(out, indent=2))
     return 0
 

@@ -109,6 +109,9 @@ class Client:
         return self.stub.GetInfo(pdspec_pb2.InfoRequest(), timeout=timeout)
 
 
-def decode_info(decode_addr: str, timeout: float = 5.0, tls: ClientTls | None = None) -> pdspec_pb2.NodeInfo:
-    with channel(decode_addr, tls) as ch:
+def decode_info(
+    decode_addr: str, timeout: float = 5.0, tls: ClientTls | None = None, peer_token: str | None = None
+) -> pdspec_pb2.NodeInfo:
+    """The decode node's GetInfo (`peer_token`: the token of a node with --peer-token-file)."""
+    with channel(decode_addr, tls, api_key=peer_token) as ch:
         return pdspec_pb2_grpc.DecodeServiceStub(ch).GetInfo(pdspec_pb2.InfoRequest(), timeout=timeout)

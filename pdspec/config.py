@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -142,6 +143,21 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
     parser.add_flag("--max-new-tokens-limit", default=4096, type=int, help="largest max_new_tokens a request may ask")
     parser.add_flag("--max-prompt-tokens", default=8192, type=int, help="longest prompt a request may send")
     parser.add_flag("--max-message-bytes", default=None, type=int, help="gRPC message limit (default: derived)")
+    parser.add_flag(
+        "--torch-threads",
+        default=0,
+        type=int,
+        help="torch's intra-op CPU threads for the whole process, set at start-up (0: the cores this process "
+        "may use); model work runs on the node's engine thread, so this is the one OpenMP team",
+    )
+    parser.add_flag(
+        "--peer-token-file",
+        default=None,
+        type=Path,
+        help="shared secret of the prefill->decode hop: the decode node refuses DecodeService calls without it "
+        "(UNAUTHENTICATED), the prefill node sends it on every call; the same file on both nodes "
+        "(default: none, for a private network only)",
+    )
     parser.add_flag("--grace-seconds", default=5.0, type=float, help="drain time on shutdown")
     parser.add_flag("--tls-cert", default=None, type=Path, help="serve TLS with this certificate chain (PEM)")
     parser.add_flag("--tls-key", default=None, type=Path, help="the private key (PEM) of --tls-cert")
@@ -200,7 +216,42 @@ def node_options(args: argparse.Namespace, parser: argparse.ArgumentParser | Non
         "log_stats_s": args.log_stats_seconds,
         "grace_s": args.grace_seconds,
         "tls": tls,
+        "peer_token": read_peer_token(args.peer_token_file, parser),
+        "torch_threads": torch_threads(args.torch_threads, parser),
     }
+
+
+def torch_threads(requested: int, parser: argparse.ArgumentParser | None = None) -> int:
+    """--torch-threads resolved: 0 is the number of cores this process may run on."""
+    if requested < 0:
+        if parser is None:
+            raise ValueError(f"--torch-threads: expected 0 or more, got {requested}")
+        parser.error(f"--torch-threads: expected 0 or more, got {requested}")
+    return requested or len(os.sched_getaffinity(0))
+
+
+PEER_TOKEN = re.compile(r"[\x21-\x7e]{16,4096}")  # what gRPC metadata carries as it is
+
+
+def read_peer_token(path: Path | None, parser: argparse.ArgumentParser | None = None) -> str | None:
+    """The token in `path` (surrounding whitespace stripped): 16-4096 printable ASCII
+    characters without spaces (`openssl rand -hex 32`); None without a path."""
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        problem = f"--peer-token-file: cannot read {path}: {err}"
+    else:
+        if PEER_TOKEN.fullmatch(token):
+            return token
+        problem = (
+            f"--peer-token-file: expected 16-4096 printable ASCII characters without spaces in {path}, "
+            f"got {len(token)} characters"
+        )
+    if parser is None:
+        raise ValueError(problem)
+    parser.error(problem)
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:

@@ -16,6 +16,10 @@ to the nodes' PDSPEC_* variables (PDSPEC_PREFILL_PORT, PDSPEC_DECODE_PORT, ...).
 pool), the prefill node 30%; a share that does not fit in the free memory stops that node with
 a one-line error, and the launcher then stops the other and exits non-zero.
 
+The hop between the two nodes is authenticated: a fresh random peer token, in a temporary
+file only this user can read (0600), goes to both nodes with --peer-token-file and is removed
+when they stop.
+
 Waits until the prefill node reports SERVING through grpc.health.v1 (models loaded and the
 decode peer compatible), prints a ready-to-paste `pdspec generate` command, then keeps both
 nodes running. With --scrape-every N it also reads the decode node's /metrics every N seconds
@@ -25,12 +29,17 @@ and prints the speculative-decoding series (what Prometheus would scrape).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -151,8 +160,45 @@ def memory_flags(args: argparse.Namespace, role: str) -> list[str]:
     return ["--gpu-memory-utilization", str(getattr(args, f"{role}_gpu_memory_utilization"))]
 
 
+@contextlib.contextmanager
+def peer_token_file() -> Iterator[Path]:
+    """A fresh random peer token in a file only this user can read (0600, created with
+    O_EXCL), removed on exit: both nodes read it with --peer-token-file, so the hop between
+    them is authenticated while the token never shows on a command line or in `ps`."""
+    fd, name = tempfile.mkstemp(prefix="pdspec-peer-token-")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32) + "\n")
+        yield Path(name)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
+def node_commands(args: argparse.Namespace, peer_token: Path) -> tuple[list[str], list[str]]:
+    """The decode and prefill nodes' command lines."""
+    python = sys.executable
+    common = ["--host", "127.0.0.1", *model_flags(args), "--peer-token-file", str(peer_token)]
+    decode_flags = [
+        *("--port", str(args.decode_port), "--metrics-port", str(args.decode_metrics_port)),
+        *memory_flags(args, "decode"),
+    ]
+    prefill_flags = [
+        *memory_flags(args, "prefill"),
+        *("--port", str(args.prefill_port), "--metrics-port", str(args.prefill_metrics_port)),
+        *("--http-port", str(args.http_port), "--decode-addr", f"127.0.0.1:{args.decode_port}"),
+    ]
+    decode = [python, "-m", "decode_node", *common, *decode_flags]
+    return decode, [python, "-m", "prefill_node", *common, *prefill_flags]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    with peer_token_file() as peer_token:
+        _serve(args, peer_token)
+
+
+def _serve(args: argparse.Namespace, peer_token: Path) -> None:
     python = sys.executable
     models = model_flags(args)
     what = (
@@ -163,18 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"pdspec: starting a decode and a prefill node with {what}; the first start loads and converts it", flush=True
     )
-    common = ["--host", "127.0.0.1", *models]
-    decode_flags = [
-        *("--port", str(args.decode_port), "--metrics-port", str(args.decode_metrics_port)),
-        *memory_flags(args, "decode"),
-    ]
-    prefill_flags = [
-        *memory_flags(args, "prefill"),
-        *("--port", str(args.prefill_port), "--metrics-port", str(args.prefill_metrics_port)),
-        *("--http-port", str(args.http_port), "--decode-addr", f"127.0.0.1:{args.decode_port}"),
-    ]
-    decode = subprocess.Popen([python, "-m", "decode_node", *common, *decode_flags])
-    prefill = subprocess.Popen([python, "-m", "prefill_node", *common, *prefill_flags])
+    decode_command, prefill_command = node_commands(args, peer_token)
+    decode = subprocess.Popen(decode_command)
+    prefill = subprocess.Popen(prefill_command)
     processes = [decode, prefill]
     # SIGTERM (a service manager, `kill`) stops both nodes exactly as Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))

@@ -42,6 +42,18 @@ def serve_until_signal(server_context: contextlib.AbstractContextManager, role: 
 SIGNAL_POLL_S = 0.2
 
 
+def pin_torch_threads(threads: int | None, role: str) -> None:
+    """Set torch's intra-op thread count for the process (None: leave it as it is). Call it at
+    start-up, before any model work: the OpenMP team of a thread is sized when it first runs
+    a parallel op. The engines run model work on one thread each, so the process holds a fixed
+    number of OpenMP threads whatever the load (tests/nodes/test_threads.py)."""
+    if threads is None:
+        return
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    log.info("%s node: torch intra-op threads %d", role, threads)
+
+
 class NodeShell:
     """What both nodes' gRPC servers share: health (NOT_SERVING until `set_serving`),
     reflection under grpc.reflection.v1 and v1alpha, message limits, a port that fails to
@@ -78,6 +90,7 @@ class NodeShell:
             interceptors=list(interceptors),
         )
         self.tls = tls
+        self.interceptors = tuple(interceptors)
         self.health = health.HealthServicer()
         self.set_serving(False)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -131,6 +131,9 @@ class FirstToken:
     finish_reason: str  # "" while the request goes on to the decode node
 
 
+IDLE_EXIT_S = 5.0  # the engine thread ends after this long without a job (a submit starts it again)
+
+
 class PrefillEngine:
     def __init__(self, pair: ModelPair, config: PrefillConfig) -> None:
         self.pair = pair
@@ -140,9 +143,17 @@ class PrefillEngine:
         self.max_speculative_tokens = config.spec.max_speculative_tokens  # lowered to the peer's
         self.proposer = proposer_for(pair, config.spec, config.device)
         self.max_draft_candidates = config.spec.candidates(self.trees)  # lowered to the peer's
-        self._lock = threading.Lock()  # one caller runs the models at a time (they need not be thread-safe)
+        self._lock = threading.Lock()  # one step at a time (the models need not be thread-safe)
         self._jobs_lock = threading.Lock()
         self._jobs: list[_Job] = []
+        # The engine thread runs every step: model work stays on one thread whatever thread
+        # submitted it, so torch's OpenMP team is that thread's alone (a team per gRPC worker
+        # thread that drove a step grew the process's threads with the worker pool). It is
+        # started by a submit and ends after IDLE_EXIT_S without jobs.
+        self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._waiters: list[threading.Event] = []  # what callers wait for (guarded by _jobs_lock)
 
     @property
     def trees(self) -> bool:
@@ -270,15 +281,56 @@ class PrefillEngine:
         return Ticket(self, job)
 
     def _run_until(self, event: threading.Event) -> None:
-        """Step the engine until `event` is set (another caller may be stepping meanwhile)."""
-        while not event.is_set():
-            if self._lock.acquire(timeout=0.002):
+        """Wait until `event` is set while the engine thread steps. It steps only while a
+        caller waits for something not yet there, as if the callers stepped it themselves:
+        requests submitted together share their first step, and a job nobody waits for (an
+        abandoned one, the rest of one whose first token was taken) waits too."""
+        if event.is_set():
+            return
+        with self._jobs_lock:
+            self._waiters.append(event)
+        try:
+            while not event.is_set():
+                self._start()
+                event.wait(IDLE_EXIT_S)
+        finally:
+            with self._jobs_lock:
+                self._waiters.remove(event)
+
+    def _wanted(self) -> bool:
+        """A step is due: jobs are queued and a caller waits (hold `_jobs_lock`)."""
+        return bool(self._jobs) and any(not waiting.is_set() for waiting in self._waiters)
+
+    def _start(self) -> None:
+        with self._thread_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _loop(self) -> None:
+        """The engine thread: steps while one is due; ends after IDLE_EXIT_S without one."""
+        with on_device(self.config.device):
+            while True:
+                with self._jobs_lock:
+                    due = self._wanted()
+                if not due:
+                    if not self._wake.wait(IDLE_EXIT_S):
+                        with self._thread_lock, self._jobs_lock:
+                            if not self._wanted():  # a caller after this sees no thread and starts one
+                                self._thread = None
+                                return
+                    self._wake.clear()
+                    continue
                 try:
-                    if not event.is_set():
-                        with on_device(self.config.device):  # the caller's thread may be on another device
-                            self._step()
-                finally:
-                    self._lock.release()
+                    with self._lock:
+                        self._step()
+                except Exception as err:  # a step that failed outside a job's own work: its jobs fail
+                    log.exception("prefill step failed")
+                    with self._jobs_lock:
+                        jobs = list(self._jobs)
+                    for job in jobs:
+                        self._end(job, error=err)
 
     def _sequence(self, checked: Checked) -> Sequence:
         """A checked request's sequence (every default resolved in `check`)."""
@@ -538,8 +590,8 @@ class _Job:
 
 
 class Ticket:
-    """A submitted request: `first()`, then `result()`; each steps the engine until it is
-    there. `abandon()` when the caller will not take the rest."""
+    """A submitted request: `first()`, then `result()`; each waits until the engine thread
+    has it there. `abandon()` when the caller will not take the rest."""
 
     def __init__(self, engine: PrefillEngine, job: _Job) -> None:
         self.engine, self.job = engine, job
@@ -557,8 +609,8 @@ class Ticket:
         return self.job.result
 
     def abandon(self) -> None:
-        """The caller leaves: a request still running is dropped by the next step (which this
-        runs, so its KV is back in the pool on return); a finished one's shared-memory KV goes."""
+        """The caller leaves: a request still running is dropped by the next step (waited for,
+        so its KV is back in the pool on return); a finished one's shared-memory KV goes."""
         with self.engine._jobs_lock:
             self.job.abandoned = True
             if self.job.done.is_set():

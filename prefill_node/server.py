@@ -25,15 +25,15 @@ from engine.paged_lm import kv_pool_bytes, paged_pair
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics, SummaryLogger
 from pdspec.modelspec import ModelSpec, backends, model_dtype
-from pdspec.serving import NodeShell
-from pdspec.tls import ClientTls, ServerTls, ServiceGuard, channel
+from pdspec.serving import NodeShell, pin_torch_threads
+from pdspec.tls import GRPC_DEFAULT_MAX_RECEIVE, ClientTls, ServerTls, ServiceGuard, channel, transport_ceiling
 from prefill_node.engine import KvTransport, PrefillConfig, PrefillEngine
 from prefill_node.service import GenerationService, RequestFailed
 from prefill_node.watchdog import StallWatchdog
 from protos import pdspec_pb2, pdspec_pb2_grpc
 from protos.contract import max_message_bytes
 from protos.rpc import DecodeStub
-from protos.status import to_grpc_status
+from protos.status import bounded_message, to_grpc_status
 from sampling.tree import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,10 @@ class PrefillNodeConfig:
     decode_tls: ClientTls | None = None  # how to dial the decode node(s): None = plaintext
     decode_stall_s: float = 3.0  # a relayed decode stream silent this long is cancelled (0 = off)
     http_ready_wait_s: float = 30.0  # an HTTP /v1/* request waits this long for a compatible peer, then 503
+    # --peer-token-file: sent as `authorization: Bearer <token>` on every DecodeService call
+    # (the decode node's --peer-token-file must hold the same token); None = none sent
+    peer_token: str | None = None
+    torch_threads: int | None = None  # --torch-threads (resolved); None = torch's own default
 
 
 class DecodePeer:
@@ -109,7 +113,7 @@ class DecodePeer:
         ]
         if config.decode_addr.startswith("dns:"):
             options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})))
-        self.channel = channel(config.decode_addr, config.decode_tls, options)
+        self.channel = channel(config.decode_addr, config.decode_tls, options, api_key=config.peer_token)
         self.stub = DecodeStub(self.channel)  # the zero-copy codec (protos/wire.py)
         self.engine = engine
         self.config = config
@@ -247,7 +251,7 @@ class PrefillServicer(pdspec_pb2_grpc.PrefillServiceServicer):
         except RequestFailed as err:
             if err.violations:
                 context.abort_with_status(to_grpc_status(err.violations, err.request_id))
-            context.abort(getattr(grpc.StatusCode, err.code), err.message)
+            context.abort(getattr(grpc.StatusCode, err.code), bounded_message(err.message))
 
 
 @dataclass
@@ -294,6 +298,7 @@ def node_info(engine: PrefillEngine, config: PrefillNodeConfig) -> pdspec_pb2.No
 def run_server(
     config: PrefillNodeConfig, pair_loader: Callable[[], ModelPair] | None = None
 ) -> Iterator[RunningPrefillNode]:
+    pin_torch_threads(config.torch_threads, "prefill")
     config.models.check_memory()
     pair = paged_pair(
         (pair_loader or config.models.load)(),
@@ -311,11 +316,18 @@ def run_server(
         host=config.host,
         port=config.port,
         streams=config.max_streams,
+        # gRPC's receive limit above the guard's (the default 4 MiB): what is between is refused and counted
+        options=[("grpc.max_receive_message_length", transport_ceiling(GRPC_DEFAULT_MAX_RECEIVE))],
         metrics=metrics,
         metrics_port=config.metrics_port,
         tls=config.tls,
         interceptors=[
-            ServiceGuard(SERVICE, lambda code: metrics.finish_request(time.monotonic(), code), config.api_key)
+            ServiceGuard(
+                SERVICE,
+                lambda code: metrics.finish_request(time.monotonic(), code),
+                config.api_key,
+                max_request_bytes=GRPC_DEFAULT_MAX_RECEIVE,
+            )
         ],
     )
     listeners: list[Callable[[bool], None]] = [shell.set_serving]  # told when the peer's state changes
@@ -372,7 +384,8 @@ def run_server(
             shell.port,
             "plaintext" if config.tls is None else "mTLS" if config.tls.mutual else "TLS",
             config.decode_addr,
-            "plaintext" if config.decode_tls is None else "TLS",
+            ("plaintext" if config.decode_tls is None else "TLS")
+            + (", peer token" if config.peer_token else ", no peer token"),
         )
         yield RunningPrefillNode(
             shell.server,

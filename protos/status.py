@@ -36,20 +36,45 @@ def status_code(violations: Sequence[Violation]) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, next(c for c in _PRIORITY if c in codes).value)
 
 
+# Error text quotes client input cut to this many characters (with the original length), so a
+# status never carries an unbounded input: gRPC refuses to send trailing metadata above its
+# limit (8 KiB by default) and the client would see RESOURCE_EXHAUSTED instead of the error.
+ECHO_CHARS = 64
+# Violations listed in a status's details; the count of the rest is in the message.
+MAX_DETAILS = 16
+MAX_MESSAGE_CHARS = 1024
+
+
+def bounded(text: str, limit: int = ECHO_CHARS) -> str:
+    """`text`, or its first `limit` characters and a note of its length."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def bounded_message(text: str) -> str:
+    """A status message of at most ~MAX_MESSAGE_CHARS characters."""
+    return bounded(text, MAX_MESSAGE_CHARS)
+
+
 def to_grpc_status(violations: Sequence[Violation], request_id: str) -> grpc.Status:
-    """One status for all violations: the most severe code, every field in the details."""
+    """One status for all violations: the most severe code, every field in the details (at
+    most MAX_DETAILS; each value the client sent cut to ECHO_CHARS characters)."""
     if not violations:
         raise ValueError("violations: expected at least one, got none")
     code = status_code(violations)
     bad_request = error_details_pb2.BadRequest(
         field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description) for v in violations
+            error_details_pb2.BadRequest.FieldViolation(
+                field=bounded(v.field), description=f"expected {bounded(v.expected, 256)}, got {bounded(v.actual)}"
+            )
+            for v in violations[:MAX_DETAILS]
         ]
     )
     detail = any_pb2.Any()
     detail.Pack(bad_request)
     more = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""
-    message = f"request {request_id!r}: {violations[0]}{more}"
+    first = violations[0]
+    shown = f"{bounded(first.field)}: expected {bounded(first.expected, 256)}, got {bounded(first.actual)}"
+    message = f"request {bounded(request_id)!r}: {shown}{more}"
     rich = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=[detail])
     return rpc_status.to_status(rich)
 

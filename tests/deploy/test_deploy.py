@@ -45,7 +45,14 @@ def test_compose_files_validate(override):
     result = subprocess.run([compose(), *files, "config"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
-    assert set(config["services"]) == {"decode", "prefill", "prometheus", "grafana"}
+    assert set(config["services"]) == {"peer-token", "decode", "prefill", "prometheus", "grafana"}
+    for name in ("decode", "prefill"):  # one token file, written before either node starts
+        service = config["services"][name]
+        assert service["environment"][f"PDSPEC_{name.upper()}_PEER_TOKEN_FILE"] == "/run/pdspec/peer-token"
+        assert {(v["source"], v["target"], v.get("read_only")) for v in service["volumes"]} >= {
+            ("peer-token", "/run/pdspec", True)
+        }
+    assert config["services"]["decode"]["depends_on"]["peer-token"]["condition"] == "service_completed_successfully"
     prefill = config["services"]["prefill"]
     assert prefill["environment"]["PDSPEC_PREFILL_DECODE_ADDR"] == "dns:///decode:50052"
     assert prefill["depends_on"]["decode"]["condition"] == "service_healthy"
@@ -95,6 +102,50 @@ def test_compose_tls_variant_validates():
         assert "/certs" in targets, name
 
 
+def test_compose_peer_token_service_writes_one_private_token(tmp_path, monkeypatch):
+    """Without docker-compose too: the peer-token service's script, run as compose would run it
+    (with /run/pdspec here a temporary directory), writes a token both nodes accept, mode 0600,
+    and leaves an existing one alone (restarts keep the token the running nodes hold)."""
+    from pdspec.config import read_peer_token
+
+    services = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    service = services["peer-token"]
+    assert service["entrypoint"] == ["sh", "-c"] and service["restart"] == "no"
+    assert service["volumes"] == ["peer-token:/run/pdspec"] and service["healthcheck"] == {"disable": True}
+    (script,) = service["command"]
+    script = script.replace("$$", "$").replace("/run/pdspec", str(tmp_path))  # compose's escaping undone
+    subprocess.run(["sh", "-c", script], check=True)
+    token_file = tmp_path / "peer-token"
+    token = read_peer_token(token_file)
+    assert len(token) == 64 and int(token, 16) >= 0
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    subprocess.run(["sh", "-c", script], check=True)
+    assert read_peer_token(token_file) == token and sorted(p.name for p in tmp_path.iterdir()) == ["peer-token"]
+    known = {"decode": flag_env_names(decode_parser()), "prefill": flag_env_names(prefill_parser())}
+    for name in ("decode", "prefill"):
+        env = services[name]["environment"]
+        assert env[f"PDSPEC_{name.upper()}_PEER_TOKEN_FILE"] == "/run/pdspec/peer-token"
+        assert f"PDSPEC_{name.upper()}_PEER_TOKEN_FILE" in known[name]
+        assert "peer-token:/run/pdspec:ro" in services[name]["volumes"]
+        monkeypatch.setenv(f"PDSPEC_{name.upper()}_PEER_TOKEN_FILE", str(token_file))
+    assert decode_args([]).peer_token == prefill_args([]).peer_token == token
+    # the API key from the environment, never on a command line
+    assert services["prefill"]["environment"]["PDSPEC_PREFILL_API_KEY"] == "${PDSPEC_API_KEY:-}"
+    for name in DOCKERFILES:  # the directory the volume takes its owner and mode from
+        assert "install -d -o pdspec -g pdspec -m 0700 /run/pdspec" in (DEPLOY / name).read_text(), name
+
+
+def test_make_peer_token_script(tmp_path):
+    from pdspec.config import read_peer_token
+
+    out = tmp_path / "secrets" / "peer-token"
+    subprocess.run(["sh", str(DEPLOY / "make-peer-token.sh"), str(out)], check=True, capture_output=True)
+    first = read_peer_token(out)
+    assert len(first) == 64 and out.stat().st_mode & 0o777 == 0o600
+    subprocess.run(["sh", str(DEPLOY / "make-peer-token.sh"), str(out)], check=True, capture_output=True)
+    assert read_peer_token(out) != first  # rotation: a new token each run
+
+
 def _parser_of(parse_args):
     module = __import__(parse_args.__module__, fromlist=["build_parser"])
     return module.build_parser()
@@ -139,7 +190,7 @@ def test_compose_tls_variant_sets_only_real_flags():
     )
 
 
-def test_compose_shm_variant_shares_dev_shm_and_turns_both_flags_on(monkeypatch):
+def test_compose_shm_variant_shares_dev_shm_and_turns_both_flags_on(monkeypatch, tmp_path):
     """Both containers in one IPC namespace (one /dev/shm), and the nodes that the merged
     environment configures really hand the KV over in shared memory."""
     files = ["-f", str(DEPLOY / "docker-compose.yml"), "-f", str(DEPLOY / "docker-compose.shm.yml")]
@@ -150,6 +201,9 @@ def test_compose_shm_variant_shares_dev_shm_and_turns_both_flags_on(monkeypatch)
     for name in ("decode", "prefill"):
         for variable, value in services[name]["environment"].items():
             if variable.startswith("PDSPEC_") and variable != "PDSPEC_HEALTH_ADDR":
+                if variable.endswith("_PEER_TOKEN_FILE"):  # the volume's file, stood in for here
+                    value = tmp_path / "peer-token"
+                    value.write_text("0123456789abcdef" * 4)
                 monkeypatch.setenv(variable, str(value))
     assert decode_args([]).accept_shm_kv
     assert prefill_args([]).engine.kv_transport.value == "shm"

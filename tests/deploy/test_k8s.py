@@ -123,9 +123,19 @@ def flag_env_names(role: str, capsys) -> set[str]:
     return names
 
 
-def node_config(env: dict[str, str], role: str, monkeypatch):
+SECRET_FILES = ("_PEER_TOKEN_FILE", "_API_KEY_FILE")  # files the pods read from mounted Secrets
+
+
+def node_config(env: dict[str, str], role: str, monkeypatch, tmp_path_factory=None):
+    """The node's config from `env`; a Secret file it names is stood in for by a temporary
+    file with a valid secret (the cluster creates the Secrets: README.md)."""
     with monkeypatch.context() as m:
         for name, value in env.items():
+            if name.endswith(SECRET_FILES):
+                assert tmp_path_factory is not None, name
+                stand_in = tmp_path_factory.mktemp("secret") / Path(value).name
+                stand_in.write_text("0123456789abcdef" * 4 + "\n")
+                value = str(stand_in)
             m.setenv(name, value)
         return PARSERS[role]([])
 
@@ -188,7 +198,7 @@ def test_a_broken_manifest_fails_validation(rendered):
 
 
 @pytest.mark.parametrize("name", ["base", "overlays/gpu"])
-def test_env_names_are_real_flags_and_configure_the_ports(rendered, name, capsys, monkeypatch):
+def test_env_names_are_real_flags_and_configure_the_ports(rendered, name, capsys, monkeypatch, tmp_path_factory):
     docs = rendered[name]
     for role in ("decode", "prefill"):
         c = container(docs, role)
@@ -197,7 +207,7 @@ def test_env_names_are_real_flags_and_configure_the_ports(rendered, name, capsys
         names = {n for n in env if n.startswith("PDSPEC_")}
         assert names == set(env), set(env) - names
         assert names <= flag_env_names(role, capsys), names - flag_env_names(role, capsys)
-        config = node_config(env, role, monkeypatch)  # parses: types and choices are valid
+        config = node_config(env, role, monkeypatch, tmp_path_factory)  # parses: types and choices are valid
         assert config.host == "0.0.0.0"
         assert config.port == port(c, "grpc") == {"decode": 50052, "prefill": 50051}[role]
         assert config.metrics_port == port(c, "metrics") == PARSERS[role]([]).metrics_port
@@ -212,7 +222,7 @@ def test_env_names_are_real_flags_and_configure_the_ports(rendered, name, capsys
             (grpc_port,) = [p["port"] for p in decode_service["spec"]["ports"] if p["name"] == "grpc"]
             assert config.decode_addr == f"dns:///pdspec-decode.{namespace}.svc.cluster.local:{grpc_port}"
             assert grpc_port == port(container(docs, "decode"), "grpc")
-    decode = node_config(environment(docs, container(docs, "decode")), "decode", monkeypatch)
+    decode = node_config(environment(docs, container(docs, "decode")), "decode", monkeypatch, tmp_path_factory)
     assert decode.engine.device == ("cuda" if name == "overlays/gpu" else "cpu")
 
 
@@ -239,6 +249,57 @@ def test_headless_decode_service_selects_the_decode_pods(rendered):
         for p in svc["spec"]["ports"]:
             assert port(c, p["targetPort"]) == p["port"], (role, p)  # named target ports exist
     assert {p["name"] for p in prefill_service["spec"]["ports"]} == {"grpc", "http", "metrics"}
+
+
+def mounted_secret(docs: list[dict], role: str, path: str) -> tuple[str, str]:
+    """The Secret whose volume is mounted (read-only) where `path` lies in the role's container."""
+    pod = find(docs, "Deployment", f"pdspec-{role}")["spec"]["template"]["spec"]
+    c = container(docs, role)
+    (mount,) = [m for m in c.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["defaultMode"] & 0o077 in (0o040, 0), oct(volume["secret"]["defaultMode"])  # no other
+    return volume["secret"]["secretName"], Path(path).relative_to(mount["mountPath"]).as_posix()
+
+
+@pytest.mark.parametrize("name", ["base", "overlays/gpu"])
+def test_both_nodes_read_one_peer_token_and_the_api_key_from_secrets(rendered, name):
+    docs = rendered[name]
+    secrets = {}
+    for role in ("decode", "prefill"):
+        env = environment(docs, container(docs, role))
+        secrets[role] = mounted_secret(docs, role, env[f"PDSPEC_{role.upper()}_PEER_TOKEN_FILE"])
+        assert f"PDSPEC_{role.upper()}_API_KEY" not in env  # a key, if any, comes from a file
+    assert secrets["decode"] == secrets["prefill"] == ("pdspec-peer-token", "token")
+    prefill = environment(docs, container(docs, "prefill"))
+    assert mounted_secret(docs, "prefill", prefill["PDSPEC_PREFILL_API_KEY_FILE"]) == ("pdspec-api-key", "api-key")
+    assert not any(d["kind"] == "Secret" for d in docs)  # created in the cluster, never in the repository
+    readme = (K8S / "README.md").read_text()
+    assert "create secret generic pdspec-peer-token --from-file=token=" in readme
+    assert "create secret generic pdspec-api-key --from-file=api-key=" in readme
+
+
+def test_network_policy_lets_only_prefill_reach_decode_grpc(rendered):
+    docs = rendered["base"]
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    pods = {role: find(docs, "Deployment", f"pdspec-{role}")["spec"]["template"] for role in ("decode", "prefill")}
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    assert selects(spec["podSelector"]["matchLabels"], pods["decode"]["metadata"]["labels"])
+    assert not selects(spec["podSelector"]["matchLabels"], pods["prefill"]["metadata"]["labels"])
+    decode = container(docs, "decode")
+    allowed = {}  # port name -> who may connect (None: anyone)
+    for rule in spec["ingress"]:
+        for p in rule["ports"]:
+            assert p["protocol"] == "TCP" and isinstance(p["port"], str)
+            port(decode, p["port"])  # a named port of the decode container
+            allowed[p["port"]] = rule.get("from")
+    assert set(allowed) == {"grpc", "metrics"} and allowed["metrics"] is None
+    (source,) = allowed["grpc"]
+    assert set(source) == {"podSelector"}  # this namespace's pods, no other namespace
+    labels = source["podSelector"]["matchLabels"]
+    assert selects(labels, pods["prefill"]["metadata"]["labels"])
+    assert not selects(labels, pods["decode"]["metadata"]["labels"])
 
 
 def test_probes_target_the_grpc_ports(rendered):
