@@ -24,9 +24,10 @@ class DecodeConfig:
     step_costs: StepCosts | None = None  # adaptive K's cost table; None: measured at start-up (calibrate)
     # Fairness (decode_node/fairness.py): a running request that has held its slot this many steps
     # while others wait for one is preempted (0: never); a stream whose client has not read this
-    # many events is paused (0: never).
+    # many events is paused (0: never). Pausing is the node's (--pause-backlog, 64 by default):
+    # off here, since a caller that steps the engine itself may read its events when it likes.
     preempt_after_steps: int = 64
-    pause_backlog: int = 64
+    pause_backlog: int = 0
 
     def __post_init__(self) -> None:
         if self.async_scheduling not in ASYNC_SCHEDULING:

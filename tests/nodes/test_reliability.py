@@ -9,6 +9,7 @@ cancelled and expired requests. Every figure is printed (pytest -s) and asserted
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import signal
@@ -104,11 +105,11 @@ def probe_ms(ports: dict[str, int], rounds: int = 5) -> dict[str, float]:
     return worst
 
 
-def endless_cluster(pair):
+def endless_cluster(pair, decode: DecodeConfig = SMALL):
     """Both nodes with SMALL decode limits and no max_new_tokens bound (endless streams hold
-    their slots until cancelled), prefill taking up to 64 streams."""
+    their slots until cancelled, or until preempted), prefill taking up to 64 streams."""
     return cluster(
-        pair, SMALL, PrefillConfig(limits=ENDLESS_LIMITS), decode_node={"limits": ENDLESS_LIMITS}, max_streams=64
+        pair, decode, PrefillConfig(limits=ENDLESS_LIMITS), decode_node={"limits": ENDLESS_LIMITS}, max_streams=64
     )
 
 
@@ -148,15 +149,16 @@ def test_admission_fires_and_health_answers_under_full_load(pair):
 
 
 def test_canary_behind_a_full_batch(pair):
-    """Policy: no preemption. Decode admits in arrival order; a request that finds every slot
-    taken waits in the queue (not rejected) and starts once a slot frees. Its first token is
-    prefill's own, so time to first token does not depend on decode's load.
+    """With preemption off (--preempt-after-steps 0; on, a waiting request gets a slot within a
+    bounded number of steps: tests/nodes/test_fairness.py): decode admits in arrival order; a
+    request that finds every slot taken waits in the queue (not rejected) and starts once a slot
+    frees. Its first token is prefill's own, so time to first token does not depend on decode's load.
 
     Synchronised on state, not on the clock (this failed under load with 1 s bounds): the batch
     is held by endless greedy streams, so the only slot that ever frees is the one the test
     frees; the canary's first token must come while decode's batch is full and it is queued,
     and its decode tokens only after the slot freed. The times are printed, not asserted."""
-    with endless_cluster(pair) as (client, _, decode):
+    with endless_cluster(pair, dataclasses.replace(SMALL, preempt_after_steps=0)) as (client, _, decode):
         longs = [Reader(client.stream("import ", max_new_tokens=ENDLESS, greedy=True, timeout=300)) for _ in range(4)]
         wait_until(lambda: decode.engine.running == 4, timeout=60, what="a full batch")
         sent = time.monotonic()
