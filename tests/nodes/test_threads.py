@@ -21,7 +21,7 @@ from tests.nodes.conftest import cluster, wait_until
 # reaps idle threads on its own timer, which says nothing about pdspec. Linux names them.
 GRPC_CORE = ("grpc_", "default-executo", "resolver-execu", "timer_manager", "event_engine", "EventEngine")
 CONCURRENCY = 24
-ROUND = 240
+ROUND = 120
 
 
 def native_threads() -> dict[int, str]:
@@ -75,7 +75,7 @@ def test_native_threads_stay_flat_under_sustained_load(pair):
                 one(i)
             start = counted_threads()
             rounds = []
-            for round_ in range(3):  # 720 requests at 24-way
+            for round_ in range(3):  # 360 requests at 24-way
                 load(ROUND * (round_ + 1))
                 # A thread that is ending (a Python thread past its last bytecode, a client pool's)
                 # is gone a moment later: wait for the count to come back. A leaked team never does.
