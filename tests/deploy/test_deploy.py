@@ -37,6 +37,15 @@ def compose() -> str:
     return path
 
 
+def volume(entry: str | dict) -> tuple[str, str, bool]:
+    """(source, target, read-only) of a compose volume: docker-compose 1.x prints the short
+    syntax (`src:dst:ro`), 2.x the long one (a mapping)."""
+    if isinstance(entry, str):
+        source, target, *mode = entry.split(":")
+        return source, target, mode == ["ro"]
+    return entry["source"], entry["target"], bool(entry.get("read_only"))
+
+
 @pytest.mark.parametrize(
     "override", [None, "docker-compose.gpu.yml", "docker-compose.rocm.yml", "docker-compose.two-gpu.yml"]
 )
@@ -49,9 +58,7 @@ def test_compose_files_validate(override):
     for name in ("decode", "prefill"):  # one token file, written before either node starts
         service = config["services"][name]
         assert service["environment"][f"PDSPEC_{name.upper()}_PEER_TOKEN_FILE"] == "/run/pdspec/peer-token"
-        assert {(v["source"], v["target"], v.get("read_only")) for v in service["volumes"]} >= {
-            ("peer-token", "/run/pdspec", True)
-        }
+        assert {volume(v) for v in service["volumes"]} >= {("peer-token", "/run/pdspec", True)}
     assert config["services"]["decode"]["depends_on"]["peer-token"]["condition"] == "service_completed_successfully"
     prefill = config["services"]["prefill"]
     assert prefill["environment"]["PDSPEC_PREFILL_DECODE_ADDR"] == "dns:///decode:50052"

@@ -31,7 +31,7 @@ def native_threads() -> dict[int, str]:
         try:
             with open(f"/proc/self/task/{tid}/comm") as comm:
                 out[int(tid)] = comm.read().strip()
-        except FileNotFoundError:  # exited meanwhile
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile (ENOENT or ESRCH)
             pass
     return out
 
