@@ -328,7 +328,12 @@ class PagedLlamaLM(ChunkedImport):
         """Compile the elementwise kernels (a one-token and a two-token forward: dynamic
         sizes specialise 1) before the node serves, so that no request waits for inductor
         and no compile runs while another thread captures a graph. The blocks it writes
-        are released at once."""
+        are released at once. The Triton attention kernel's variants are compiled too
+        (`triton_attention.warm_up`): otherwise the first prompt of each tile size would wait."""
+        if self._kernel is not None:
+            c = self.config
+            with on_device(self.device):
+                self._kernel.warm_up(c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, self.device)
         if self.ops is EAGER:
             return
         state, computed = self.empty_state(), self.model.positions_computed

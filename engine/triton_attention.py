@@ -35,7 +35,14 @@ MAX_PACKED_QUERIES = 128  # G * Q rows of one program; a longer chunk (a prompt)
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Every int that changes with the batch (rows, key width, queries per row, the strides they
+# make) is a plain runtime value: Triton would otherwise compile a new variant for each value of
+# a constexpr and for each int that is 1 or a multiple of 16, so the first prompt of each new
+# length would wait for a compile (about a second). What is left (BLOCK_M's buckets x DIRECT) is
+# compiled at start-up by `warm_up`.
+@triton.jit(
+    do_not_specialize=["stride_qr", "stride_qq", "stride_sr", "stride_mr", "stride_mq", "rows", "width", "queries"]
+)
 def _split_kernel(
     q_ptr,
     kv_ptr,
@@ -56,8 +63,8 @@ def _split_kernel(
     stride_mq,
     rows,
     width,
+    queries,
     scale_log2,
-    Q: tl.constexpr,
     G: tl.constexpr,
     HQ: tl.constexpr,
     D: tl.constexpr,
@@ -74,7 +81,7 @@ def _split_kernel(
     m = tl.arange(0, BLOCK_M)  # packed query m = (query m // G, head head * G + m % G)
     query = m // G
     qhead = head * G + m % G
-    m_ok = m < Q * G
+    m_ok = m < queries * G
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     q_off = row * stride_qr + query[:, None] * stride_qq + qhead[:, None] * stride_qh + d[None, :]
@@ -114,17 +121,17 @@ def _split_kernel(
 
     out = tl.where(run_sum[:, None] > 0, acc / run_sum[:, None], 0.0)  # [BM, BD]
     o_ok = m_ok[:, None] & d_ok[None, :]
-    flat = (row * Q + query) * HQ + qhead  # [BM]: (row, query, head) of the contiguous output
+    flat = (row * queries + query) * HQ + qhead  # [BM]: (row, query, head) of the contiguous output
     if DIRECT:
         tl.store(out_ptr + flat[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=o_ok)
     else:
-        part = split * rows * Q * HQ + flat
+        part = split * rows * queries * HQ + flat
         tl.store(part_ptr + part[:, None] * D + d[None, :], out, mask=o_ok)
         lse = tl.where(run_sum > 0, run_max + tl.log2(run_sum), float("-inf"))
         tl.store(lse_ptr + part, lse, mask=m_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total", "splits"])
 def _merge_kernel(part_ptr, lse_ptr, out_ptr, total, splits, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (row, query, head): the splits' outputs weighted by their softmax mass."""
     i = tl.program_id(0)
@@ -140,6 +147,12 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, total, splits, D: tl.constexpr, BL
         num += weight * tl.load(part_ptr + (s * total + i) * D + d, mask=d_ok, other=0.0)
         den += weight
     tl.store(out_ptr + i * D + d, (num / den).to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def block_m(queries: int, group: int) -> int:
+    """The packed-query tile of a forward with `queries` per row and `group` query heads per KV
+    head: a power of two in [16, MAX_PACKED_QUERIES], one compiled variant each."""
+    return max(16, triton.next_power_of_2(queries * group))
 
 
 def fits(queries: int, q_heads: int, kv_heads: int) -> bool:
@@ -223,12 +236,12 @@ def paged_attention(
         mask8.stride(2),
         rows,
         width,
+        queries,
         LOG2E / math.sqrt(dim),
-        Q=queries,
         G=group,
         HQ=hq,
         D=dim,
-        BLOCK_M=max(16, triton.next_power_of_2(queries * group)),
+        BLOCK_M=block_m(queries, group),
         BLOCK_D=block_d,
         BLOCK_N=BLOCK_N,
         SPLIT=SPLIT,
@@ -238,3 +251,22 @@ def paged_attention(
     if not direct:
         _merge_kernel[(total,)](part, lse, out, total, splits, D=dim, BLOCK_D=block_d)
     return out
+
+
+def warm_up(q_heads: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Compile every variant of the kernels that a model of this shape can launch (each packed
+    query tile, with and without split merging) on a scratch pool, so that no request waits for
+    a compile; how many launches that took."""
+    group = q_heads // kv_heads
+    tiles = {block_m(q, group): q for q in range(1, MAX_PACKED_QUERIES // group + 1)}  # tile -> queries
+    cache = torch.zeros(2, 2, kv_heads, dim, dtype=dtype, device=device)
+    launches = 0
+    for queries in tiles.values():
+        for width in (1, SPLIT + 1):  # one split (direct) and two (merged)
+            q_rows = torch.zeros(1, queries, q_heads, dim, dtype=dtype, device=device)
+            slots = torch.zeros(1, width, dtype=torch.int64, device=device)
+            count = torch.full((1,), width, dtype=torch.int64, device=device)
+            mask = torch.ones(1, 1, queries, width, dtype=torch.bool, device=device)
+            paged_attention(q_rows, cache, slots, count, mask)
+            launches += 1
+    return launches

@@ -164,3 +164,32 @@ def test_bad_inputs_are_refused_before_launch():
     with pytest.raises(ValueError, match=r"Q \* Hq / Hkv <= 128"):
         wide = q_rows.expand(2, 40, 32, 128)
         paged_attention(wide, cache, meta.key_slots, meta.key_count, meta.mask.expand(2, 1, 40, meta.mask.shape[-1]))
+
+
+def compiled(kernel) -> int:
+    """Variants of a Triton kernel compiled in this process for the current device."""
+    return len(kernel.device_caches[torch.cuda.current_device()][0])
+
+
+@pytest.mark.parametrize("heads", HEADS[1:2] + HEADS[-1:] if GPU else HEADS[-1:], ids=str)
+def test_warm_up_compiles_every_variant_a_request_can_launch(heads):
+    """After `warm_up`, no batch size, key width or query count compiles anything new: the first
+    prompt of each length would otherwise wait for a compile. Under the interpreter (CPU) only
+    the launches run: every tile size, with and without merging splits."""
+    from engine import triton_attention
+
+    hq, hkv, dim = heads
+    group = hq // hkv
+    launches = triton_attention.warm_up(hq, hkv, dim, torch.float32, torch.device(DEVICE))
+    tiles = {triton_attention.block_m(q, group) for q in range(1, triton_attention.MAX_PACKED_QUERIES // group + 1)}
+    assert launches == 2 * len(tiles)
+    if not GPU:
+        return
+    before = compiled(triton_attention._split_kernel), compiled(triton_attention._merge_kernel)
+    rng = random.Random(0)
+    for _ in range(24):
+        queries = rng.randint(1, triton_attention.MAX_PACKED_QUERIES // group)
+        lengths = [rng.randint(1, 3 * SPLIT) for _ in range(rng.randint(1, 5))]
+        got, want = both(*setup(heads, lengths, queries, torch.float32, seed=rng.randint(0, 99)))
+        torch.testing.assert_close(got, want, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
+    assert (compiled(triton_attention._split_kernel), compiled(triton_attention._merge_kernel)) == before
