@@ -31,7 +31,7 @@ TARGETS = [
     ("gfx942", "hip", "gfx942", 64, 65536),  # MI300
 ]
 STRIDES = ["stride_qr", "stride_qq", "stride_qh", "stride_plane", "stride_slot", "stride_head"]
-STRIDES += ["stride_sr", "stride_mr", "stride_mq", "rows", "width"]
+STRIDES += ["stride_sr", "stride_mr", "stride_mq", "rows", "width", "queries"]
 # What paged_attention launches: (dtype, queries Q, query heads per KV head G, head dim D, one
 # split), and the backends it is built for
 SPLIT_VARIANTS = [
@@ -58,11 +58,10 @@ def split_source(dtype: str, queries: int, group: int, dim: int, direct: bool) -
         "scale_log2": "fp32",
     }
     constants = {
-        "Q": queries,
         "G": group,
         "HQ": 8 * group,
         "D": dim,
-        "BLOCK_M": max(16, triton.next_power_of_2(queries * group)),
+        "BLOCK_M": kernels.block_m(queries, group),
         "BLOCK_D": max(16, triton.next_power_of_2(dim)),
         "BLOCK_N": kernels.BLOCK_N,
         "SPLIT": kernels.SPLIT,
