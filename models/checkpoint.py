@@ -18,14 +18,19 @@ multi-GB file does not mean hashing all of it.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from common.cache import cache_dir, publish_dir
 from models.llama import LlamaCausalLM, LlamaConfig, build_model, digest_of
 from models.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 _DIGEST_WINDOW = 8 << 20
@@ -219,11 +224,24 @@ def load_gguf_llama(path: Path | str, *, dtype: torch.dtype, device: str = "cpu"
     return LlamaCausalLM(module, source_digest=_file_digest(path))
 
 
-def load_gguf_tokenizer(path: Path | str, eos_token_ids=()) -> TextTokenizer:
+def load_gguf_tokenizer(path: Path | str, eos_token_ids=(), cache: Path | None = None) -> TextTokenizer:
     """transformers' conversion of the GGUF vocabulary (tokenizer.ggml.*) to a fast tokenizer;
-    the chat template comes along from `tokenizer.chat_template`."""
+    the chat template comes along from `tokenizer.chat_template`. The conversion parses the
+    whole vocabulary out of the file (about 10 s for SmolLM2's 49k tokens on one core, at every
+    node start), so its result is saved in the cache (`cache`, else common/cache.cache_dir()),
+    keyed by the file's digest, and loaded from there afterwards (a fraction of a second)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
+    cached = (cache or cache_dir()) / f"tokenizer-{_file_digest(path)[:20]}"
+    if (cached / "tokenizer.json").is_file():
+        return TextTokenizer(AutoTokenizer.from_pretrained(cached), eos_token_ids)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        tokenizer.save_pretrained(tmp)
+        publish_dir(tmp, cached)
+    except OSError as err:  # a read-only cache costs the next start the conversion, nothing else
+        log.warning("tokenizer cache %s not written: %s", cached, err)
     return TextTokenizer(tokenizer, eos_token_ids)

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.cache import cache_dir as pdspec_cache_dir
 from models.base import ChunkedImport, GrowingKv, State, close_span, extend_span
 from models.pair import ModelPair
 from models.tokenizer import ByteTokenizer
@@ -215,8 +216,7 @@ def load_builtin_pair(corpus: Path | None = None, cache_dir: Path | None = None)
     files = corpus_files(corpus)
     tokens = _token_array(files)
     digest = hashlib.sha256(tokens.tobytes() + f"v{CACHE_VERSION}".encode()).hexdigest()
-    cache_dir = cache_dir or Path(os.environ.get("PDSPEC_CACHE_DIR", Path.home() / ".cache" / "pdspec"))
-    path = cache_dir / f"ngram-{digest[:20]}.npz"
+    path = (cache_dir or pdspec_cache_dir()) / f"ngram-{digest[:20]}.npz"
     target_tables, draft_tables = _load_tables(path) if path.exists() else (None, None)
     if target_tables is None:
         log.info(

@@ -372,6 +372,27 @@ def test_smollm2_tokenizer_and_layer_skip_draft(smollm2):
     assert contract.target_model != contract.draft_model and len(contract.kv_layout) == 60
 
 
+def test_a_gguf_tokenizer_from_the_cache_is_the_conversion(smollm2, tmp_path):
+    """The first load converts the GGUF vocabulary and caches it; the next loads it from the
+    cache: the same ids, text, special tokens and chat template."""
+    from models.checkpoint import load_gguf_tokenizer
+
+    eos = smollm2[0].target.eos_token_ids
+    converted = load_gguf_tokenizer(smollm2_path(), eos, cache=tmp_path)
+    (entry,) = tmp_path.iterdir()
+    assert (entry / "tokenizer.json").is_file() and entry.name.startswith("tokenizer-")
+    cached = load_gguf_tokenizer(smollm2_path(), eos, cache=tmp_path)
+    texts = ["The quick brown fox, 42 times: naïve café ☕ 日本語", "def f(x):\n\treturn x ** 2  # ok", "<|im_end|> x"]
+    for text in texts:
+        ids = converted.encode(text)
+        assert cached.encode(text) == ids and cached.decode(ids) == converted.decode(ids)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert cached.apply_chat_template(messages) == converted.apply_chat_template(messages)
+    assert cached.chat_template == converted.chat_template
+    assert len(cached.tokenizer) == len(converted.tokenizer) == 49152
+    assert cached.tokenizer.all_special_ids == converted.tokenizer.all_special_ids
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_linear_is_the_linear_map(rows, bias):
