@@ -10,10 +10,18 @@ the context had a match worth drafting after its last step (`hit`) and after the
 (`may_draft`). Step t may draft only if it had one after step t - 2: that is known before step
 t - 1 is read, so rows without a match pipeline like K = 0 rows.
 
-None of this changes what a row emits: K depends only on the row's own past, never on the
-step's uniforms, so the verifier's output law is unchanged; and the batch gate only holds rows
-whose tokens do not depend on K (point-mass proposals verified by coupling,
-sampling/verifier.py): a seeded row's tokens never depend on what else is in the batch.
+The batch gate (engine/adaptive.BatchGate) prices speculation for the batch as a whole, for
+every method: from the wall times of the steps this node actually ran at this batch size, a
+step speculates only while the tokens its rows expect (their own E(K)) per second beat a K = 0
+step's; so a method whose drafting does not pay at the current load (a draft model at batch 16,
+say) is not run for that step, and a batch whose rows find nothing to draft pipelines like K = 0.
+
+None of this changes the output law: K depends only on the past (the rows' own acceptance and
+the node's measured step times), never on the step's uniforms. A seeded sampled row's tokens
+depend on K unless its proposals are point masses verified by coupling (sampling/verifier.py:
+prompt lookup); so the gate holds a batch only when every row's tokens are free of it (greedy
+rows, unseeded rows, point-mass proposals), and a seeded request draws the same tokens whatever
+else runs beside it.
 """
 
 from __future__ import annotations
@@ -54,8 +62,8 @@ class SpecPolicy:
         self.spec, self.proposer = spec, proposer
         self.costs = costs  # adaptive K's cost table (engine/adaptive.calibrate at start-up)
         self.pipelined = pipelined  # async scheduling is on
-        # Whether a batch speculates at all, from its measured steps: match-driven drafts with adaptive K.
-        self.gate = BatchGate() if spec.adaptive and proposer.match_driven else None
+        # Whether a batch speculates at all, from its measured steps (adaptive K: it prices each row).
+        self.gate = BatchGate() if spec.adaptive else None
         self._rows: dict[Sequence, _Row] = {}
         self._gated: tuple[int, bool] | None = None  # (rows, speculated) of this step, when the gate chose it
 
@@ -83,10 +91,7 @@ class SpecPolicy:
             self.gate is not None
             and len(seqs) > 1
             and all(
-                (s.plain or self._rows[s].adaptive is not None)
-                and not s.logprobs
-                and (not s.first_step or s.received.probs is None)
-                for s in seqs
+                s.plain or (self._rows[s].adaptive is not None and not s.logprobs and self._batch_free(s)) for s in seqs
             )
         )
         if not gateable:
@@ -166,7 +171,20 @@ class SpecPolicy:
         row = self._rows[seq]
         if seq.first_step:  # the prefill's proposal, at the acceptance the row has shown (its prior)
             return row.adaptive.expected(self.proposer.method, len(seq.received.token_ids))
-        return 1.0 if self._idle(seq, in_flight) else row.gain
+        if self.proposer.match_driven:  # priced when its context last grew (`_hit`)
+            return 1.0 if self._idle(seq, in_flight) else row.gain
+        plan = self.proposer.plan([seq], [seq.k])[0]
+        return row.adaptive.expected(plan.source, row.adaptive.choose(plan.source, plan.limit, self.costs))
+
+    def _batch_free(self, seq: Sequence) -> bool:
+        """Whether the row's tokens may depend on what else is in the batch: not for a seeded
+        sampled row, unless its proposals are point masses verified by coupling (prompt
+        lookup; a first step's proposal from the prefill node is one when it carries no law)."""
+        if seq.params.is_greedy or seq.params.seed is None:
+            return True
+        if seq.first_step:
+            return seq.received.probs is None
+        return self.proposer.match_driven
 
     def _idle(self, seq: Sequence, in_flight: bool = False) -> bool:
         """A match-driven row whose next step cannot draft, past its first step. The context after

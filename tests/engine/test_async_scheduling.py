@@ -199,6 +199,26 @@ def test_the_batch_gate_holds_rows_whose_tokens_do_not_depend_on_k(pair, schedul
 
 
 @pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_the_batch_gate_prices_model_drafts_and_never_moves_a_seeded_row(pair, scheduling):
+    """Model drafts too (hybrid: these contexts rarely match, so the draft model proposes): where
+    K = 0 steps measured faster, a batch of greedy and unseeded sampled rows runs at K = 0 (the
+    draft model not run), the greedy rows emitting the tokens of an engine that never gates. A
+    seeded sampled row's tokens depend on K with model drafts: a batch holding one is not gated,
+    and gives the ungated engine's tokens, seed for seed."""
+    unseeded = request(6, k=4, max_new=20)
+    unseeded.sampling.do_sample = True
+    greedy = [request(5, k=4, max_new=20), request(9, k=4, max_new=20)]
+    held = run(pair, [*greedy, unseeded], scheduling, method="hybrid", gate="plain-faster")
+    assert sum(s.verify_steps for s in run.stats) == 0  # every step held, the first (the prefill's proposal) too
+    free = run(pair, [*greedy, unseeded], scheduling, method="hybrid")
+    assert held[:2] == free[:2] and sum(s.verify_steps for s in run.stats) > 0
+    seeded = [*greedy, request(7, k=4, seed=3, max_new=20)]
+    gated = run(pair, seeded, scheduling, method="hybrid", gate="plain-faster")
+    assert sum(s.verify_steps for s in run.stats) > 0
+    assert gated == run(pair, seeded, scheduling, method="hybrid")
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
 def test_seeded_sampled_prompt_lookup_draws_the_k0_tokens(pair, scheduling):
     """A seeded sampled request emits the same tokens whatever K prompt lookup drafts (coupling):
     as at K = 0, for a repetitive prompt whose drafts are often accepted and often rejected."""
