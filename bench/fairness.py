@@ -11,7 +11,8 @@ pair, both nodes in one process on loopback, the default --max-batch 32.
 2. Readers that stop, behind the prefill node: `--idle` clients ask for 4096 new tokens, read
    their first message and stop: over gRPC (pdspec.client.Client, gRPC's default windows) and
    over the OpenAI HTTP streaming API (`"stream": true` on /v1/completions, a socket with the
-   OS's default buffers). The tokens the decode node generated for them once the count stops
+   OS's default buffers); and over gRPC from a channel with a fixed 1 KiB receive window
+   (`grpc-1k`: no BDP probing). The tokens the decode node generated for them once the count stops
    growing (or after 60 s), with --pause-backlog 64 (the default) and 0 (off).
 
     python bench/fairness.py --parts idle   # part 2 only
@@ -33,9 +34,12 @@ if __package__ in (None, ""):
 import json
 import socket
 
+import grpc
+
 from bench.harness import Reader, environment, markdown_table, nodes, wait_until, write_results
 from decode_node.engine import DecodeConfig
 from models.loader import load_pair
+from protos import pdspec_pb2, pdspec_pb2_grpc
 
 LONG = 4096
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
@@ -116,10 +120,20 @@ def idle_readers(pair, idle: int, backlog: int, transport: str, seconds: float =
                 client.stream(PROMPT, max_new_tokens=LONG, seed=s, num_speculative_tokens=0, timeout=None)
                 for s in range(idle)
             ]
-            for call in calls:
-                next(call)
+        elif transport == "grpc-1k":  # a client channel with a fixed 1 KiB receive window
+            options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+            channel = grpc.insecure_channel(f"127.0.0.1:{prefill.port}", options=options)
+            stub = pdspec_pb2_grpc.PrefillServiceStub(channel)
+            sampling = pdspec_pb2.SamplingParams(do_sample=True, seed=0, max_new_tokens=LONG)
+            calls = [
+                stub.Generate(pdspec_pb2.GenerateRequest(prompt=PROMPT, sampling=sampling, num_speculative_tokens=0))
+                for _ in range(idle)
+            ]
         else:
             sockets = [_http_stream(prefill.http_port, prefill.http.api.model, s) for s in range(idle)]
+        if transport != "http":
+            for call in calls:
+                next(call)
         wait_until(lambda: decode.engine.load == idle, timeout=60, what="the idle streams to start")
         started, counts = time.monotonic(), []
         while time.monotonic() - started < seconds:  # until the count stops growing for 3 s
@@ -132,7 +146,7 @@ def idle_readers(pair, idle: int, backlog: int, transport: str, seconds: float =
                 break
         paused = sum(map(decode.engine.fairness.paused, held))
         generated = counts[-1]
-        if transport == "grpc":
+        if transport != "http":
             for call in calls:
                 call.cancel()
         else:
@@ -168,7 +182,7 @@ def main() -> None:
     ]
     idles = [
         idle_readers(pair, args.idle, backlog, transport)
-        for transport in (("grpc", "http") if "idle" in parts else ())
+        for transport in (("grpc", "grpc-1k", "http") if "idle" in parts else ())
         for backlog in (64, 0)
     ]
     table_rows = []
