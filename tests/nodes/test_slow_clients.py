@@ -32,7 +32,11 @@ from protos import pdspec_pb2, pdspec_pb2_grpc
 from tests.nodes.conftest import cluster, wait_until
 
 BACKLOG = 1
-SETTLED_STEPS = 20  # engine steps without a token for the stream: it has stopped growing
+# Engine steps without a token for the stream: it has stopped growing. A paused engine steps
+# ~100 times a second, so the stream waits on its client longer than STALL_S: the relay watchdog
+# must not take that for a stalled decode node (it would end the stream UNAVAILABLE).
+SETTLED_STEPS = 120
+STALL_S = 1.0
 PROMPT = "import "
 # Every gRPC message carries the request id: a long one makes each message large, so a window of
 # a few KiB holds few of them.
@@ -46,7 +50,7 @@ HTTP_TOKENS = 450
 @pytest.fixture(scope="module")
 def nodes(pair):
     config = DecodeConfig(max_batch=4, pause_backlog=BACKLOG, preempt_after_steps=0)
-    with cluster(pair, config, http_port=0) as running:
+    with cluster(pair, config, http_port=0, decode_stall_s=STALL_S) as running:
         yield running
 
 
@@ -111,6 +115,7 @@ def test_a_grpc_client_that_stops_reading_is_paused_and_resumes(nodes):
         assert generated <= bound < GRPC_TOKENS - 1  # the first token is the prefill node's
         tokens += [t for response in stream for t in response.token_ids]
     assert tokens == whole
+    assert prefill.peer.compatible  # never suspected
     wait_until(lambda: decode.engine.load == 0, what="decode idle")
 
 
@@ -171,4 +176,5 @@ def test_an_http_stream_that_stops_reading_is_paused_and_resumes(nodes):
     print(f"HTTP: read ~{raw.count(b'data: {')}, generated {generated} (bound {bound}) of {HTTP_TOKENS}")
     assert generated <= bound < HTTP_TOKENS - 1
     assert "".join(_sse_texts(rest(sock, raw))) == whole
+    assert prefill.peer.compatible  # never suspected
     wait_until(lambda: decode.engine.load == 0, what="decode idle")
