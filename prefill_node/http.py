@@ -4,9 +4,11 @@ A thin translation onto `GenerationService.generate`, the node's one generation 
 an OpenAI request becomes a GenerateRequest, the GenerateResponse stream becomes an OpenAI
 response (or server-sent events), a `RequestFailed` becomes an OpenAI-shaped error. The
 sync generator runs in a worker thread of this module's pool (never on the event loop);
-responses reach the loop through a queue, and a client that goes away reaches the thread
-through the request's `HttpCall` (is_active() turns False, the callbacks - the relayed
-decode call's cancel - run, and the generator is closed), so the decode slot frees.
+responses reach the loop through a queue, one at a time as the client takes them (a client
+that stops reading stops the relay: RELAY_CREDIT, SEND_BUFFER_BYTES), and a client that goes
+away reaches the thread through the request's `HttpCall` (is_active() turns False, the
+callbacks - the relayed decode call's cancel - run, and the generator is closed), so the
+decode slot frees.
 
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
 POST /v1/chat/completions, GET /health. docs/openai.md describes them.
