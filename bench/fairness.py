@@ -8,9 +8,14 @@ pair, both nodes in one process on loopback, the default --max-batch 32.
    `--deadline` s deadline) arrive one after another. Per canary: the time to its first token
    (the prefill node's), to its second (the decode node's first: when it got a slot), to its
    end, and its status; for each --preempt-after-steps of `--after` (0: off).
-2. Readers that stop: `--idle` clients ask for 4096 new tokens and never read: the tokens the
-   decode node generated for them once the count stops growing (or after 60 s), with
-   --pause-backlog 64 (the default) and 0 (off).
+2. Readers that stop, behind the prefill node: `--idle` clients ask for 4096 new tokens, read
+   their first message and stop: over gRPC (pdspec.client.Client, gRPC's default windows) and
+   over the OpenAI HTTP streaming API (`"stream": true` on /v1/completions, a socket with the
+   OS's default buffers); and over gRPC from a channel with a fixed 1 KiB receive window
+   (`grpc-1k`: no BDP probing). The tokens the decode node generated for them once the count stops
+   growing (or after 60 s), with --pause-backlog 64 (the default) and 0 (off).
+
+    python bench/fairness.py --parts idle   # part 2 only
 
 Writes bench/results/fairness-cpu-<date>-<commit>.json.
 """
@@ -26,10 +31,15 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import environment, markdown_table, write_results
-from bench.nodes import Reader, cluster, wait_until
+import json
+import socket
+
+import grpc
+
+from bench.harness import Reader, environment, markdown_table, nodes, wait_until, write_results
 from decode_node.engine import DecodeConfig
 from models.loader import load_pair
+from protos import pdspec_pb2, pdspec_pb2_grpc
 
 LONG = 4096
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
@@ -37,7 +47,7 @@ PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b
 
 def long_streams(pair, streams: int, canaries: int, deadline: float, after_steps: int) -> dict:
     config = DecodeConfig(preempt_after_steps=after_steps)
-    with cluster(pair, config) as (client, _, decode):
+    with nodes(pair, decode=config) as (client, _, decode):
         longs = [
             Reader(client.stream(PROMPT, max_new_tokens=LONG, seed=s, num_speculative_tokens=0, timeout=None))
             for s in range(streams)
@@ -79,32 +89,76 @@ def long_streams(pair, streams: int, canaries: int, deadline: float, after_steps
         }
 
 
-def idle_readers(pair, idle: int, backlog: int, seconds: float = 60.0) -> dict:
+def _http_stream(port: int, model: str, seed: int) -> socket.socket:
+    """A streamed completion whose client reads its first bytes and then nothing."""
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": LONG,
+            "seed": seed,
+            "temperature": 1.0,
+            "num_speculative_tokens": 0,
+            "stream": True,
+        }
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + body)
+    sock.recv(256)
+    return sock
+
+
+def idle_readers(pair, idle: int, backlog: int, transport: str, seconds: float = 60.0) -> dict:
     config = DecodeConfig(pause_backlog=backlog)
-    with cluster(pair, config) as (client, _, decode):
-        calls = [
-            client.stream(PROMPT, max_new_tokens=LONG, seed=s, num_speculative_tokens=0, timeout=None)
-            for s in range(idle)
-        ]
-        wait_until(lambda: decode.engine.running == idle, timeout=60, what="the idle streams to start")
+    with nodes(pair, decode=config, prefill_node={"http_port": 0}) as (client, prefill, decode):
+        if transport == "grpc":
+            calls = [
+                client.stream(PROMPT, max_new_tokens=LONG, seed=s, num_speculative_tokens=0, timeout=None)
+                for s in range(idle)
+            ]
+        elif transport == "grpc-1k":  # a client channel with a fixed 1 KiB receive window
+            options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+            channel = grpc.insecure_channel(f"127.0.0.1:{prefill.port}", options=options)
+            stub = pdspec_pb2_grpc.PrefillServiceStub(channel)
+            sampling = pdspec_pb2.SamplingParams(do_sample=True, seed=0, max_new_tokens=LONG)
+            calls = [
+                stub.Generate(pdspec_pb2.GenerateRequest(prompt=PROMPT, sampling=sampling, num_speculative_tokens=0))
+                for _ in range(idle)
+            ]
+        else:
+            sockets = [_http_stream(prefill.http_port, prefill.http.api.model, s) for s in range(idle)]
+        if transport != "http":
+            for call in calls:
+                next(call)
+        wait_until(lambda: decode.engine.load == idle, timeout=60, what="the idle streams to start")
         started, counts = time.monotonic(), []
         while time.monotonic() - started < seconds:  # until the count stops growing for 3 s
             time.sleep(1.0)
             with decode.engine._lock:
-                held = list(decode.engine._active)
+                held = list(decode.engine._active) + list(decode.engine._pending)
             finished = idle - len(held)
             counts.append(sum(r.seq.generated for r in held) + finished * LONG)
             if len(counts) > 3 and counts[-1] == counts[-4]:
                 break
         paused = sum(map(decode.engine.fairness.paused, held))
         generated = counts[-1]
-        for call in calls:
-            call.cancel()
+        if transport != "http":
+            for call in calls:
+                call.cancel()
+        else:
+            for sock in sockets:
+                sock.close()
         return {
+            "transport": transport,
             "pause_backlog": backlog,
             "streams": idle,
             "seconds": seconds,
             "tokens_generated": generated,
+            "tokens_per_stream": round(generated / idle),
             "seconds_run": len(counts),
             "paused_at_end": paused,
             "finished": finished,
@@ -118,13 +172,19 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=5.0)
     parser.add_argument("--idle", type=int, default=16)
     parser.add_argument("--after", default="64,256,0", help="--preempt-after-steps values to run")
+    parser.add_argument("--parts", default="long,idle", help="which parts to run: long, idle")
     args = parser.parse_args()
+    parts = args.parts.split(",")
     pair = load_pair()
     runs = [
         long_streams(pair, args.streams, args.canaries, args.deadline, after)
-        for after in map(int, args.after.split(","))
+        for after in (map(int, args.after.split(",")) if "long" in parts else [])
     ]
-    idles = [idle_readers(pair, args.idle, backlog) for backlog in (64, 0)]
+    idles = [
+        idle_readers(pair, args.idle, backlog, transport)
+        for transport in (("grpc", "grpc-1k", "http") if "idle" in parts else ())
+        for backlog in (64, 0)
+    ]
     table_rows = []
     for run in runs:
         done = [c for c in run["canaries"] if c["code"] == "OK"]
@@ -153,12 +213,23 @@ def main() -> None:
         table_rows,
     )
     table += "\n\n" + markdown_table(
-        ["--pause-backlog", "idle streams", "tokens generated", "after s", "paused at the end", "finished"],
+        [
+            "client",
+            "--pause-backlog",
+            "idle streams",
+            "tokens generated",
+            "per stream",
+            "after s",
+            "paused at the end",
+            "finished",
+        ],
         [
             [
+                i["transport"],
                 i["pause_backlog"] or "off",
                 i["streams"],
                 i["tokens_generated"],
+                i["tokens_per_stream"],
                 i["seconds_run"],
                 i["paused_at_end"],
                 i["finished"],

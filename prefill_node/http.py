@@ -4,9 +4,11 @@ A thin translation onto `GenerationService.generate`, the node's one generation 
 an OpenAI request becomes a GenerateRequest, the GenerateResponse stream becomes an OpenAI
 response (or server-sent events), a `RequestFailed` becomes an OpenAI-shaped error. The
 sync generator runs in a worker thread of this module's pool (never on the event loop);
-responses reach the loop through a queue, and a client that goes away reaches the thread
-through the request's `HttpCall` (is_active() turns False, the callbacks - the relayed
-decode call's cancel - run, and the generator is closed), so the decode slot frees.
+responses reach the loop through a queue, one at a time as the client takes them (a client
+that stops reading stops the relay: RELAY_CREDIT, SEND_BUFFER_BYTES), and a client that goes
+away reaches the thread through the request's `HttpCall` (is_active() turns False, the
+callbacks - the relayed decode call's cancel - run, and the generator is closed), so the
+decode slot frees.
 
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
 POST /v1/chat/completions, GET /health. docs/openai.md describes them.
@@ -44,6 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from models.tokenizer import ByteTokenizer
 from prefill_node.service import GenerationService, RequestFailed
@@ -55,6 +58,15 @@ UINT64_MAX = 2**64 - 1
 Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 HEADROOM_THREADS = 16  # requests turned away by admission still need a thread to be told so
+# Responses a run hands the event loop before the client's stream has taken them: the relay reads
+# the next decode message only once the one before left for the client (pull-based), so a client
+# that stops reading stops the relay, and the decode node pauses its request (--pause-backlog).
+RELAY_CREDIT = 1
+# What the server buffers for a client connection beyond the client's own receive buffer: the
+# event loop's write buffer and the socket's unsent bytes (TCP_NOTSENT_LOWAT; in flight stays
+# bounded by the client's window). Linux grows a socket's send buffer to MiBs, a whole 4,096-token
+# stream of server-sent events (~0.9 MB), for a client that reads nothing.
+SEND_BUFFER_BYTES = 16 << 10
 ECHO_CHARS = 64  # client values quoted in error messages are cut to this many characters
 MAX_MESSAGES = 3  # validation errors spelled out in one response (then "and N more")
 RETRY_AFTER_S = 1  # the Retry-After of a 503: the decode peer is re-checked about every second
@@ -316,7 +328,8 @@ _END = object()
 
 
 class _Run:
-    """One GenerateRequest through `GenerationService.generate` in a worker thread."""
+    """One GenerateRequest through `GenerationService.generate` in a worker thread, at the pace
+    its client takes the responses (`RELAY_CREDIT`)."""
 
     def __init__(
         self, api: OpenAIApi, build: Callable[[], pdspec_pb2.GenerateRequest], loop: asyncio.AbstractEventLoop
@@ -326,11 +339,18 @@ class _Run:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompt_tokens = 0
         self._api = api
+        self._room = threading.Condition()
+        self._unread = 0  # responses handed to the loop and not yet taken
         api.runs.add(self)
         self.done = loop.run_in_executor(api.executor, self._drive, build)
         self.done.add_done_callback(lambda _: api.runs.discard(self))
 
     def _put(self, item) -> None:
+        """Hand `item` to the loop once it took all but RELAY_CREDIT - 1 of those before; at once
+        when the call ended (cancelled, or the generation is over and this is its end)."""
+        with self._room:
+            self._room.wait_for(lambda: self._unread < RELAY_CREDIT or not self.call.is_active())
+            self._unread += 1
         with contextlib.suppress(RuntimeError):  # the loop has closed (shutdown): nobody is listening
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
@@ -357,6 +377,9 @@ class _Run:
 
     async def next(self) -> pdspec_pb2.GenerateResponse | None:
         item = await self.queue.get()
+        with self._room:
+            self._unread -= 1
+            self._room.notify()
         if item is _END:
             return None
         if isinstance(item, BaseException):
@@ -371,6 +394,8 @@ class _Run:
 
     def cancel(self) -> None:
         self.call.cancel()
+        with self._room:
+            self._room.notify()  # a relay waiting for its client to take a response: gone
 
 
 class _ClientGone(Exception):
@@ -977,6 +1002,18 @@ class _Counted:
 # ---------------------------------------------------------------------------- the server thread
 
 
+class _BoundedSend(AutoHTTPProtocol):
+    """uvicorn's HTTP/1.1 protocol with a connection's send buffering bounded (SEND_BUFFER_BYTES):
+    a response stream whose client stops reading stops at once, and so does its relay."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and hasattr(socket, "TCP_NOTSENT_LOWAT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, SEND_BUFFER_BYTES)
+        transport.set_write_buffer_limits(high=SEND_BUFFER_BYTES)
+        super().connection_made(transport)
+
+
 class HttpServer:
     """uvicorn serving the API from a background thread; `stop` drains and joins it."""
 
@@ -992,6 +1029,7 @@ class HttpServer:
         config = uvicorn.Config(
             api.asgi,
             log_config=None,  # the node's logging, not uvicorn's
+            http=_BoundedSend,
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=max(1, round(grace_s)),

@@ -57,6 +57,17 @@ RECONNECT = [
     ("grpc.min_reconnect_backoff_ms", 2000),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# What the node reads ahead of its client on a relayed decode stream: a fixed receive window
+# per stream (no BDP probing, which grows it to whatever loopback carries: a whole 4,096-token
+# stream). The relay takes the next decode message only once its client has taken the last
+# (prefill_node/service.py), so a client that stops reading backs its stream up to the decode
+# node within this window and the decode node pauses it (--pause-backlog). Messages larger than
+# the window still pass: gRPC grants a message the relay waits for the window it needs.
+RELAY_WINDOW_BYTES = 1024
+RELAY_WINDOW = [
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", RELAY_WINDOW_BYTES),
+]
 VALIDATED_FIELDS = (
     "request_id",
     "prompt",
@@ -110,6 +121,7 @@ class DecodePeer:
             ("grpc.max_receive_message_length", limit),
             *KEEPALIVE,
             *RECONNECT,
+            *RELAY_WINDOW,
         ]
         if config.decode_addr.startswith("dns:"):
             options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})))

@@ -230,6 +230,7 @@ class GenerationService:
                         for _ in relay:
                             pass
                     reason = "stop" if stopped else response.finish_reason
+                    watch.hold()  # decode is done with it: the last message waits on the client alone
                     yield stream.finish(response, reason, detokenizer, stops, stopped)
                     return
                 watch.hold()  # a slow client's flow control is not a silent decode node
