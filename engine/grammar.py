@@ -97,7 +97,7 @@ class Grammars:
         """tokenizer: the pair's (models/tokenizer.py): byte-level, or a Hugging Face fast
         tokenizer wrapped in `TextTokenizer` (`.tokenizer`)."""
         installed = importlib.metadata.version("llguidance").split(".")[0]
-        if GRAMMAR_ENGINE != f"llguidance/{installed}":  # the contract names the engine's major version
+        if f"llguidance/{installed}" != GRAMMAR_ENGINE:  # the contract names the engine's major version
             raise RuntimeError(f"grammar engine: expected {GRAMMAR_ENGINE}, got llguidance {installed}")
         hf = getattr(tokenizer, "tokenizer", None)
         eos = list(eos_token_ids)

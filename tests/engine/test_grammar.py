@@ -46,7 +46,7 @@ def fresh_mask(grammars: Grammars, constraint: Constraint, tokens: list[int]) ->
 
 def test_masks_follow_the_draft_path_and_a_forbidden_draft_ends_it(grammars):
     state = grammars.compile(SCHEMA)
-    ids = list(b'{"n') + [ord("x"), ord("a")]  # 'x' is forbidden after {"n (the key is "name")
+    ids = [*b'{"n', ord("x"), ord("a")]  # 'x' is forbidden after {"n (the key is "name")
     masks = state.masks(ids, list(range(-1, len(ids) - 1)))
     assert masks.shape == (len(ids) + 1, grammars.words)
     for n in range(3):  # after {, {" and {"n: as a fresh matcher fed the same tokens
