@@ -173,20 +173,21 @@ class Sequence:
         an EOS (allowed only there), or as soon as the grammar admits nothing more."""
         kept: list[int] = []
         reason = ""
+        grammar = self.grammar
         for token in tokens:
             kept.append(token)
             reason = finish_reason(
                 token, self.eos_token_ids, self.stop_token_ids, self.generated + len(kept), self.budget
             )
+            if grammar is not None:  # token by token: a step may emit more after the grammar completes
+                if token not in self.eos_token_ids:
+                    grammar.settle([token])
+                if reason == "eos" or (grammar.done and reason != "stop"):
+                    reason = "stop"
             if reason:
                 break
         self.history += kept  # in place: the prompt-lookup index holds this list
-        grammar = self.grammar
-        if grammar is not None:
-            grammar.settle([t for t in kept if t not in self.eos_token_ids])
-            if reason == "eos" or (grammar.done and reason != "stop"):
-                reason = "stop"
-            if reason:  # the request's structured-output counts, for its stats
-                self.stats.jump_forward_tokens = grammar.jump_forward_tokens
-                self.stats.grammar_rejected_drafts = grammar.rejected_drafts
+        if grammar is not None and reason:  # the request's structured-output counts, for its stats
+            self.stats.jump_forward_tokens = grammar.jump_forward_tokens
+            self.stats.grammar_rejected_drafts = grammar.rejected_drafts
         return kept, reason
