@@ -69,6 +69,24 @@ class _ByteVocabulary:
         return list(text)
 
 
+class _DecodedVocabulary:
+    """Any tokenizer's vocabulary as the bytes each id decodes to alone (special ids: none)."""
+
+    bos_token_id = None
+
+    def __init__(self, tokenizer, vocab_size: int, eos: int) -> None:
+        special = set(getattr(tokenizer, "all_special_ids", ()))
+        size = min(vocab_size, len(tokenizer))
+        self.tokens = [b"" if i in special else tokenizer.decode([i]).encode() for i in range(size)]
+        self.tokens += [b""] * (vocab_size - size)
+        self.eos_token_id = eos
+        self.special_token_ids = sorted(special | {eos})
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self._tokenizer.encode(text.decode("utf-8", "replace"), add_special_tokens=False)
+
+
 def grammar_text(constraint: Constraint) -> str:
     """The llguidance grammar of a constraint (its JSON / Lark form; nothing is checked here)."""
     kind, value = constraint.kind, constraint.value
@@ -99,15 +117,12 @@ class Grammars:
         installed = importlib.metadata.version("llguidance").split(".")[0]
         if f"llguidance/{installed}" != GRAMMAR_ENGINE:  # the contract names the engine's major version
             raise RuntimeError(f"grammar engine: expected {GRAMMAR_ENGINE}, got llguidance {installed}")
-        hf = getattr(tokenizer, "tokenizer", None)
-        eos = list(eos_token_ids)
-        if hf is None:
-            self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary(vocab_size, eos[0])))
-        else:
-            self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+        self._source = tokenizer
+        self._tokenizer: llguidance.LLTokenizer | None = None  # built at the first constraint (~1 s for 50k ids)
+        self.eos_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32  # int32 words of a bitmask
-        self.eos = eos[0]
+        self.eos = self.eos_ids[0]
         self._cache: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self.compile_seconds = 0.0  # total, for metrics (read by the nodes)
@@ -116,6 +131,27 @@ class Grammars:
     def for_pair(cls, pair) -> Grammars:
         """The grammar engine of a node's model pair (models/pair.py): the target's vocabulary."""
         return cls(pair.tokenizer, pair.target.vocab_size, pair.target.eos_token_ids)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """The target vocabulary as llguidance reads it: the byte tokenizer's ids, a Hugging Face
+        fast tokenizer's own description, or (a tokenizer llguidance cannot read) each id's
+        decoded bytes."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._vocabulary()
+            return self._tokenizer
+
+    def _vocabulary(self) -> llguidance.LLTokenizer:
+        hf = getattr(self._source, "tokenizer", None)
+        if hf is None:
+            vocabulary = _ByteVocabulary(self.vocab_size, self.eos)
+            return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary))
+        try:
+            return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+        except ValueError:  # no decoder llguidance knows: the ids' decoded bytes, specials empty
+            vocabulary = _DecodedVocabulary(hf, self.vocab_size, self.eos)
+            return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary))
 
     def compile(self, constraint: Constraint) -> GrammarState:
         """A fresh matcher for the constraint (GrammarError with the engine's message when it does
