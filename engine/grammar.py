@@ -32,8 +32,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
 
 from protos.constraint import GRAMMAR_ENGINE, Constraint
@@ -147,6 +145,8 @@ class Grammars:
         if hf is None:
             vocabulary = _ByteVocabulary(self.vocab_size, self.eos)
             return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary))
+        import llguidance.hf  # imports transformers: only for a Hugging Face tokenizer
+
         try:
             return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos_ids)
         except ValueError:  # no decoder llguidance knows: the ids' decoded bytes, specials empty
@@ -210,8 +210,11 @@ class GrammarState:
         return self.matcher.is_accepting()
 
     def _fill(self, out: torch.Tensor, row: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self.matcher, out, row)
-        if not out[row].any():  # no token allowed (an error state): EOS ends the request
+        """out[row] = the matcher's mask (out: [N+1, W] int32, contiguous, on the host)."""
+        if not self.matcher.is_error():
+            self.matcher.unsafe_compute_mask_ptr(out.data_ptr() + row * out.stride(0) * 4, out.shape[1] * 4)
+        if self.matcher.is_error():  # nothing allowed (a matcher past its limits): EOS ends the request
+            out[row] = 0
             out[row, self.grammars.eos // 32] = 1 << (self.grammars.eos % 32)
 
     def masks(self, token_ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:

@@ -629,7 +629,8 @@ def check_structured_output(message: pdspec_pb2.StructuredOutput, found: list[Vi
             if problem is None and not isinstance(schema, dict):
                 problem = "a JSON Schema object", type(schema).__name__
             if problem is None:
-                value = json.dumps(schema, sort_keys=True, separators=(",", ":"))  # one cache entry per schema
+                # one cache entry per schema text; the key order stays (the grammar emits properties in it)
+                value = json.dumps(schema, separators=(",", ":"))
     if problem is not None:
         found.append(Violation(path, *problem))
         return None
