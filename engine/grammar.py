@@ -145,10 +145,10 @@ class Grammars:
         if hf is None:
             vocabulary = _ByteVocabulary(self.vocab_size, self.eos)
             return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary))
-        import llguidance.hf  # imports transformers: only for a Hugging Face tokenizer
+        from llguidance.hf import from_tokenizer  # imports transformers: only for a Hugging Face tokenizer
 
         try:
-            return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+            return from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos_ids)
         except ValueError:  # no decoder llguidance knows: the ids' decoded bytes, specials empty
             vocabulary = _DecodedVocabulary(hf, self.vocab_size, self.eos)
             return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary))
