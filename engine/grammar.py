@@ -100,14 +100,14 @@ def grammar_text(constraint: Constraint) -> str:
         return llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(choice) for choice in json.loads(value))
         )
-    if value.lstrip().startswith("root") or "::=" in value:  # GBNF (llama.cpp), as vLLM takes it
+    if "::=" in value:  # GBNF (llama.cpp's), as vLLM takes it; Lark rules are `name: ...`
         value = llguidance.gbnf_to_lark(value)
     return llguidance.LLMatcher.grammar_from_lark(value)
 
 
 class Grammars:
     """A node's grammar engine: the target vocabulary for llguidance and the compiled grammars,
-    an LRU cache keyed by the constraint's text (a schema's canonical JSON)."""
+    an LRU cache keyed by the constraint's text (a schema's compact JSON, key order kept)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         """tokenizer: the pair's (models/tokenizer.py): byte-level, or a Hugging Face fast
@@ -123,7 +123,7 @@ class Grammars:
         self.eos = self.eos_ids[0]
         self._cache: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-        self.compile_seconds = 0.0  # total, for metrics (read by the nodes)
+        self.compile_seconds = 0.0  # time spent building grammars (a cache hit adds nothing)
 
     @classmethod
     def for_pair(cls, pair) -> Grammars:
