@@ -2,7 +2,7 @@
 against K = 0 with the same schema, and what the grammar's masks cost a decode step.
 
     python bench/structured_outputs.py [--model smollm2-135m-instruct | --builtin] [--rounds 3]
-        [--max-tokens 256] [--smoke]
+        [--max-tokens 256] [--device cpu|cuda] [--smoke]
 
 Both nodes run in this process on loopback as `make run` configures them (prompt lookup with
 adaptive K; SmolLM2-135M-Instruct, or the built-in n-gram pair with --builtin). Every request goes
@@ -15,7 +15,7 @@ K = 0, whether every output parsed and validated, whether the two settings' text
 Mask overhead: the decode node's /metrics around the K = 0 requests: the mean time of one
 step's masks (`pdspec_grammar_mask_seconds`, one context per row at K = 0) over the mean decode
 step (`pdspec_engine_step_seconds`), both of those requests' steps. Writes
-bench/results/structured_outputs-*.json.
+bench/results/structured_outputs-<model>-*.json.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--builtin", action="store_true", help="the built-in n-gram pair")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--smoke", action="store_true", help="the built-in pair, one round, nothing kept")
@@ -89,7 +90,10 @@ def main() -> None:
     from prefill_node.engine import PrefillConfig
 
     env = environment()
-    models = ModelSpec() if args.builtin else ModelSpec(target_model=args.model, draft_layers=8)
+    device = args.device
+    models = (
+        ModelSpec(device=device) if args.builtin else ModelSpec(target_model=args.model, draft_layers=8, device=device)
+    )
     spec = SpeculativeConfig(method="prompt-lookup")  # `make run`'s
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
     tokens = {s: 0 for s in SETTINGS}
@@ -99,8 +103,8 @@ def main() -> None:
     steps = {"mask_s": 0.0, "masks": 0.0, "step_s": 0.0, "steps": 0.0}
     with nodes(
         models=models,
-        decode=DecodeConfig(spec=spec),
-        prefill=PrefillConfig(spec=spec),
+        decode=DecodeConfig(spec=spec, device=device),
+        prefill=PrefillConfig(spec=spec, device=device),
         decode_node={"metrics_port": 0},
         prefill_node={"http_port": 0},
     ) as running:
@@ -187,7 +191,7 @@ def main() -> None:
     )
     env["model"] = "builtin" if args.builtin else args.model
     report(
-        "structured_outputs",
+        f"structured_outputs-{env['model']}",
         env,
         {"rows": rows, "identical": identical, "overhead": overhead, "schema": SCHEMA},
         table,
