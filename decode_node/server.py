@@ -224,9 +224,9 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
             if result.constraint is not None:
                 self.metrics.structured_requests.labels("decode", result.constraint.kind).inc()
             return self.engine.submit(result, streamed=streamed)
-        except GrammarError as err:  # the prefill node compiled it: a peer with another vocabulary or engine
+        except GrammarError as err:  # a direct caller: the prefill node compiled it and drew the first token under it
             self._reject(
-                [Violation(err.field, "a constraint the grammar engine compiles", err.message)],
+                [Violation(err.field, err.expected, err.message)],
                 result.request_id,
                 context,
                 outcome,

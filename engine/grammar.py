@@ -44,12 +44,14 @@ _COMPILERS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="gramma
 
 
 class GrammarError(ValueError):
-    """A constraint the grammar engine refuses; `field` names it (structured_output.<kind>)."""
+    """A constraint the grammar engine refuses (`field` structured_output.<kind>), or a first token
+    it forbids (`field` first_token_id: a decode node's direct caller)."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+    def __init__(self, field: str, message: str, expected: str = "a constraint the grammar engine compiles") -> None:
+        super().__init__(f"{field}: expected {expected}, got {message}")
         self.field = field
         self.message = message
+        self.expected = expected
 
 
 class _ByteVocabulary:
@@ -264,6 +266,11 @@ class GrammarState:
             if not self.matcher.consume_token(token):
                 raise RuntimeError(f"grammar matcher: an allowed token was refused ({self.matcher.get_error()})")
             self.ahead.append(token)
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows `token` next (after the emitted tokens)."""
+        self._rewind(0)
+        return (token == self.grammars.eos and self.accepting) or self.matcher.validate_tokens([token]) == 1
 
     def settle(self, emitted: Sequence[int]) -> None:
         """The tokens a step kept (accepted drafts, then the correction or bonus): roll back to the

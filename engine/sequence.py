@@ -14,7 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.adaptive import AdaptiveK
-from engine.grammar import Grammars, GrammarState
+from engine.grammar import GrammarError, Grammars, GrammarState
 from engine.prompt_lookup import ContextIndex
 from models.base import State
 from protos.validation import DecodeInput
@@ -143,8 +143,11 @@ class Sequence:
         grammar = None
         if decode_input.constraint is not None and grammars is not None:
             grammar = grammars.compile(decode_input.constraint)
-            if decode_input.first_token_id >= 0:  # else it comes last (DecodeStream): `receive` makes the sequence anew
-                grammar.settle([decode_input.first_token_id])
+            first = decode_input.first_token_id
+            if first >= 0:  # else it comes last (DecodeStream): `receive` makes the sequence anew
+                if not grammar.allows(first):
+                    raise GrammarError("first_token_id", str(first), "a token the constraint allows first")
+                grammar.settle([first])
         return cls(
             prompt=decode_input.prompt_token_ids,
             params=decode_input.params,

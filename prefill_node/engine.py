@@ -234,7 +234,7 @@ class PrefillEngine:
             try:  # on the caller's thread, bounded (engine/grammar.py): never the engine thread's time
                 grammar = self.grammars.compile(constraint)
             except GrammarError as err:
-                return [Violation(err.field, "a constraint the grammar engine compiles", err.message)]
+                return [Violation(err.field, err.expected, err.message)]
         sampling = pdspec_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         sampling.max_new_tokens = request.sampling.max_new_tokens or self.config.default_max_new_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from decode_node.engine import DecodeConfig
 from engine.spec_config import SpeculativeConfig
 from prefill_node.engine import PrefillConfig
-from protos import pdspec_pb2
+from protos import pdspec_pb2, pdspec_pb2_grpc
+from protos.contract import PROTOCOL_VERSION
 from protos.status import field_violations
 from sampling.proposal import DraftLaw
 from tests.nodes.conftest import cluster
@@ -123,7 +125,7 @@ def test_regex_choice_grammar_and_json_object_over_http(nodes):
 
     out = complete({"structured_outputs": {"regex": "[a-z]{2,8}@[a-z]{2,6}\\.(com|org)"}}, temperature=0)
     assert out.choices[0].finish_reason == "stop"
-    assert __import__("re").fullmatch("[a-z]{2,8}@[a-z]{2,6}\\.(com|org)", out.choices[0].text)
+    assert re.fullmatch("[a-z]{2,8}@[a-z]{2,6}\\.(com|org)", out.choices[0].text)
     choices = ["alpha", "beta", "gamma"]
     for seed in range(3):
         out = complete({"structured_outputs": {"choice": choices}}, seed=seed)
@@ -189,6 +191,41 @@ def test_bad_constraints_are_invalid_argument_on_grpc_and_counted(nodes):
         assert after[key] - before.get(key, 0.0) == 1
     out = client.generate(PROMPT, max_new_tokens=8, greedy=True)  # the node serves on
     assert out.finish_reason == "length"
+
+
+def test_the_decode_node_checks_the_constraint_and_the_first_token(nodes, pair):
+    """A direct caller of the decode node: the constraint compiles there too, and the first token
+    must be one the constraint allows (the prefill node drew it under the same mask)."""
+    _, _, decode = nodes
+
+    def request(first: int, output: pdspec_pb2.StructuredOutput) -> pdspec_pb2.DecodeRequest:
+        out = pdspec_pb2.DecodeRequest(
+            request_id="direct",
+            protocol_version=PROTOCOL_VERSION,
+            contract_fingerprint=pair.contract().fingerprint(),
+            prompt_token_ids=list(b"x = "),
+            first_token_id=first,
+            sampling=pdspec_pb2.SamplingParams(max_new_tokens=8),
+        )
+        out.proposal.encoding = pdspec_pb2.Proposal.POINT_MASS  # K = 0: no drafts
+        out.structured_output.CopyFrom(output)
+        return out
+
+    regex = pdspec_pb2.StructuredOutput(regex="a[0-9]{3}")
+    with grpc.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
+        stub = pdspec_pb2_grpc.DecodeServiceStub(channel)
+        messages = list(stub.Decode(request(ord("a"), regex), timeout=10))
+        assert re.fullmatch("[0-9]{3}", bytes(t for m in messages for t in m.token_ids).decode())
+        assert messages[-1].finish_reason == "stop"
+        bad = [
+            (request(ord("b"), regex), "first_token_id"),
+            (request(ord("a"), pdspec_pb2.StructuredOutput(regex="(")), "structured_output.regex"),
+        ]
+        for message, field in bad:
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Decode(message, timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert [f for f, _ in field_violations(err.value)] == [field]
 
 
 def test_metrics_count_kinds_masks_and_jump_forward(nodes):
