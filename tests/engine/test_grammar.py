@@ -4,6 +4,7 @@ the accepted prefix, jump-forward, guided drafts, compile errors and the cache."
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -156,3 +157,22 @@ def test_compiled_grammars_are_cached_and_matchers_independent(grammars):
     assert grammars.compile_seconds == spent  # the cache answered
     first.settle(list(b'{"name":"'))
     assert allowed(second.masks([], [])[0]) == {ord("{")}
+
+
+def test_a_compile_past_the_time_limit_is_refused(grammars, monkeypatch):
+    """Two builds that overrun hold the compile pool: the next one cannot start, and its caller
+    is refused once the limit passes, not held."""
+    import engine.grammar
+
+    monkeypatch.setattr(engine.grammar, "COMPILE_TIMEOUT_S", 0.2)
+    release = threading.Event()
+    held = [engine.grammar._COMPILERS.submit(release.wait) for _ in range(2)]
+    try:
+        with pytest.raises(GrammarError) as err:
+            grammars.compile(Constraint("regex", "[a-z]{1,40}(,[a-z]{1,40}){0,30}"))
+    finally:
+        release.set()
+    assert err.value.field == "structured_output.regex" and "within 0.2 s" in err.value.message
+    for future in held:
+        future.result()
+    assert grammars.compile(Constraint("regex", "x")).masks([], []).shape[0] == 1  # the engine serves on
