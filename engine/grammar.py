@@ -35,6 +35,7 @@ import llguidance
 import torch
 
 from protos.constraint import GRAMMAR_ENGINE, Constraint
+from sampling.filtering import allowed_tokens
 from sampling.proposal import Proposal
 
 GRAMMAR = "grammar"  # the source of a jump-forward proposal (the grammar forced its tokens)
@@ -201,6 +202,7 @@ class GrammarState:
         self.rejected_drafts = 0  # drafts the grammar forbade (statistics)
         self.jump_forward_tokens = 0  # forced tokens proposed (statistics)
         self.mask_seconds: list[float] = []  # each step's time computing masks (metrics)
+        self._drafting_seconds = 0.0  # masks drawn drafts under since the step's own (`draft_mask`)
 
     @property
     def done(self) -> bool:
@@ -238,13 +240,14 @@ class GrammarState:
             allowed = above is not None and bool((int(out[context, token // 32]) >> (token % 32)) & 1)
             if above is not None and not allowed:
                 self.rejected_drafts += 1
-            path = [*above, token] if allowed else None
-            paths.append(path)
-            if path is None or token == self.grammars.eos:
-                continue  # nothing follows EOS: the node's children are never read
+            path = [*above, token] if allowed and token != self.grammars.eos else None
+            paths.append(path)  # None: forbidden, or EOS (the request ends there: what follows is dropped)
+            if path is None:
+                continue
             self._walk(path)
             self._fill(out, n + 1)
-        self.mask_seconds.append(time.perf_counter() - started)
+        self.mask_seconds.append(time.perf_counter() - started + self._drafting_seconds)
+        self._drafting_seconds = 0.0
         return out
 
     def _rewind(self, keep: int) -> None:
@@ -266,6 +269,23 @@ class GrammarState:
             if not self.matcher.consume_token(token):
                 raise RuntimeError(f"grammar matcher: an allowed token was refused ({self.matcher.get_error()})")
             self.ahead.append(token)
+
+    def draft_mask(self, path: Sequence[int], d2t: torch.Tensor) -> torch.Tensor | None:
+        """[Vd] bool: the draft ids whose target ids (d2t [Vd]) the grammar allows after the
+        emitted tokens and `path` (target ids, every one allowed), for drafting under the
+        grammar; None where that leaves no draft id (the draft proposes unmasked: its drafts
+        are then rejected by the verifier, exactly)."""
+        started = time.perf_counter()
+        path = list(path)
+        self._rewind(0)
+        if self.grammars.eos in path or self.matcher.validate_tokens(path) != len(path):
+            return None  # a path drafted unmasked: the verifier rejects it; nothing to mask after it
+        self._walk(path)
+        row = torch.empty(1, self.grammars.words, dtype=torch.int32)
+        self._fill(row, 0)
+        allowed = allowed_tokens(row[0], self.grammars.vocab_size)[d2t]  # [Vd]
+        self._drafting_seconds += time.perf_counter() - started  # counted with the step's masks
+        return allowed if bool(allowed.any()) else None
 
     def allows(self, token: int) -> bool:
         """Whether the grammar allows `token` next (after the emitted tokens)."""

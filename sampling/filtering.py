@@ -33,9 +33,13 @@ def restrict(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     (bit j of word w allows token 32w + j) disallows, before temperature / top-k / top-p; so the
     law is the filtered law of the allowed tokens, renormalised, and a greedy row's token the
     argmax over them. Every row must allow at least one token."""
+    return logits.masked_fill(~allowed_tokens(bitmask, logits.shape[-1]), float("-inf"))
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., ceil(V/32)] int32 bitmask (bit j of word w: token 32w + j) -> [..., V] bool."""
     bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask[..., None] >> bits) & 1).flatten(-2)[..., : logits.shape[-1]]  # [..., V]
-    return logits.masked_fill(allowed == 0, float("-inf"))
+    return ((bitmask[..., None] >> bits) & 1).flatten(-2)[..., :vocab_size].bool()
 
 
 def point_mass(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

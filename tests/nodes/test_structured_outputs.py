@@ -286,13 +286,17 @@ def test_sampled_constrained_requests_follow_the_masked_law(pair, stochastic_nod
     client, _, _ = stochastic_nodes
     constraint = pdspec_pb2.StructuredOutput(regex=LAW_REGEX)
 
-    def one(seed: int) -> str:
+    def one(seed: int):
         out = client.generate(LAW_PROMPT, max_new_tokens=10, seed=seed, structured_output=constraint)
         assert out.finish_reason == "stop"
-        return out.text
+        return out
 
     with ThreadPoolExecutor(8) as pool:
-        texts = list(pool.map(one, range(LAW_REQUESTS)))
+        outs = list(pool.map(one, range(LAW_REQUESTS)))
+    texts = [out.text for out in outs]
+    # The drafts were drawn under the grammar: none forbidden, and many drafted.
+    assert sum(out.stats.grammar_rejected_drafts for out in outs) == 0
+    assert sum(out.stats.draft_tokens for out in outs) > LAW_REQUESTS
     law = language_law(pair, pair.tokenizer.encode(LAW_PROMPT))
     counts = Counter(texts)
     assert set(counts) <= set(CHOICES)
