@@ -123,7 +123,7 @@ class Grammars:
         self.eos_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32  # int32 words of a bitmask
-        self.eos = self.eos_ids[0]
+        self.eos = self.eos_ids[0] if self.eos_ids else -1  # -1: a model without one takes no constraint
         self._cache: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self.compile_seconds = 0.0  # time spent building grammars (a cache hit adds nothing)
@@ -159,6 +159,8 @@ class Grammars:
     def compile(self, constraint: Constraint) -> GrammarState:
         """A fresh matcher for the constraint (GrammarError with the engine's message when it does
         not compile, or not within COMPILE_TIMEOUT_S)."""
+        if self.eos < 0:  # a grammar ends generation with EOS: llguidance needs the id
+            raise GrammarError(f"structured_output.{constraint.kind}", "none", "a model with an end-of-sequence token")
         with self._lock:
             cached = self._cache.get(constraint)
             if cached is not None:
