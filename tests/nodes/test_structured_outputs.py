@@ -275,9 +275,13 @@ def language_law(pair, prompt: list[int]) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def stochastic_nodes(pair):
     """Stochastic drafts: they draw forbidden tokens, which the masked law must reject."""
-    spec = SpeculativeConfig(draft_law=DraftLaw.STOCHASTIC)
-    decode = DecodeConfig(spec=dataclasses.replace(DecodeConfig().spec, draft_law=DraftLaw.STOCHASTIC))
-    prefill = PrefillConfig(spec=dataclasses.replace(PrefillConfig().spec, draft_law=spec.draft_law))
+    spec = SpeculativeConfig(draft_law=DraftLaw.STOCHASTIC, max_draft_candidates=4)
+    decode = DecodeConfig(
+        spec=dataclasses.replace(DecodeConfig().spec, draft_law=spec.draft_law, max_draft_candidates=4)
+    )
+    prefill = PrefillConfig(
+        spec=dataclasses.replace(PrefillConfig().spec, draft_law=spec.draft_law, max_draft_candidates=4)
+    )
     with cluster(pair, decode, prefill) as running:
         yield running
 
@@ -302,3 +306,29 @@ def test_sampled_constrained_requests_follow_the_masked_law(pair, stochastic_nod
     assert set(counts) <= set(CHOICES)
     observed = torch.tensor([CHOICES.index(t) for t in texts])
     assert chi_square_pvalue(observed, torch.tensor([law[c] for c in CHOICES])) > ALPHA, (counts, law)
+
+
+def test_candidate_trees_under_a_grammar(stochastic_nodes):
+    """Trees: one mask per node, drafts drawn under the grammar per branch; greedy rows equal K = 0."""
+    client, _, _ = stochastic_nodes
+    schema = SCHEMAS[1]
+    runs = []
+    for k, candidates in ((0, 1), (4, 2), (4, 4)):
+        out = client.generate(
+            PROMPT,
+            max_new_tokens=300,
+            greedy=True,
+            num_speculative_tokens=k,
+            draft_candidates=candidates,
+            structured_output=schema_output(schema),
+        )
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), schema)
+        runs.append(list(out.token_ids))
+    assert runs[0] == runs[1] == runs[2]
+    for seed in range(3):
+        out = client.generate(
+            PROMPT, max_new_tokens=300, seed=seed, draft_candidates=3, structured_output=schema_output(schema)
+        )
+        assert out.finish_reason == "stop" and out.stats.draft_tokens > 0
+        jsonschema.validate(json.loads(out.text), schema)
