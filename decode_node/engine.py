@@ -24,7 +24,7 @@ from common.transfer import Buffer
 from decode_node.config import DecodeConfig
 from decode_node.fairness import Fairness, claim_state, recompute
 from decode_node.request import Event, QueueFull, Request
-from engine import spec_step
+from engine import grammar, spec_step
 from engine.adaptive import StepCosts
 from engine.device import on_device
 from engine.proposer import Proposer
@@ -68,6 +68,7 @@ class DecodeEngine:
         # checks, which would each make the host wait for the step's forward.
         self.verifier = verifier or Verifier(config.sampler_backend, config.device, check_values=False)
         self.proposer = proposer or proposer_for(pair, config.spec, config.device)
+        self.grammars = grammar.Grammars.for_pair(pair)  # structured outputs (compiled on submitting threads)
         costs = config.step_costs or StepCosts((1.0,) * (config.spec.max_speculative_tokens + 1))
         self.policy = SpecPolicy(config.spec, self.proposer, costs, self.pipelined)
         self.fairness = Fairness(config.max_batch, config.preempt_after_steps, config.pause_backlog, metrics)
@@ -81,9 +82,9 @@ class DecodeEngine:
 
     # -- requests -------------------------------------------------------------------
     def sequence(self, decode_input: DecodeInput) -> Sequence:
-        """A request's sequence, every default resolved (`Sequence.decoding`)."""
-        eos = self.pair.target.eos_token_ids
-        return Sequence.decoding(decode_input, eos, self.config.default_max_new_tokens, self.proposer.method)
+        """A request's sequence, every default resolved (`Sequence.decoding`; GrammarError: no compile)."""
+        eos, budget = self.pair.target.eos_token_ids, self.config.default_max_new_tokens
+        return Sequence.decoding(decode_input, eos, budget, self.proposer.method, self.grammars)
 
     def submit(self, decode_input: DecodeInput, *, streamed: bool = False) -> Request:
         """Queue a request (QueueFull when it can never fit or the queue is full). `streamed`: its
@@ -148,8 +149,7 @@ class DecodeEngine:
 
     def _kv_models(self) -> list[tuple[str, object]]:
         """The models that hold KV for a request (no draft KV where the proposer uses no draft model)."""
-        models = [("target", self.pair.target)]
-        return [*models, ("draft", self.pair.draft)] if self.proposer.uses_draft else models
+        return [("target", self.pair.target), *([("draft", self.pair.draft)] if self.proposer.uses_draft else [])]
 
     @property
     def pipelined(self) -> bool:

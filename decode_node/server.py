@@ -22,6 +22,7 @@ import grpc
 import pdspec
 from decode_node.engine import DecodeConfig, DecodeEngine
 from decode_node.request import Event, QueueFull, Request
+from engine.grammar import GRAMMAR, GrammarError
 from engine.paged_lm import kv_pool_bytes, paged_pair
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics, SummaryLogger
@@ -220,7 +221,16 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
 
     def _submit(self, result: DecodeInput, context, outcome: list[str], *, streamed: bool = False) -> Request:
         try:
+            if result.constraint is not None:
+                self.metrics.structured_requests.labels("decode", result.constraint.kind).inc()
             return self.engine.submit(result, streamed=streamed)
+        except GrammarError as err:  # a direct caller: the prefill node compiled it and drew the first token under it
+            self._reject(
+                [Violation(err.field, err.expected, err.message)],
+                result.request_id,
+                context,
+                outcome,
+            )
         except QueueFull as err:
             outcome[0] = "RESOURCE_EXHAUSTED"
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {result.request_id!r}: queue full ({err})")
@@ -377,6 +387,8 @@ class DecodeServicer(pdspec_pb2_grpc.DecodeServiceServicer):
             last = sent = now
             yield _response(rid, event)
             if event.finished:
+                if (state := handle.seq.grammar) is not None:
+                    self.metrics.record_grammar(state.mask_seconds, state.rejected_drafts, state.jump_forward_tokens)
                 return
 
 
@@ -437,6 +449,8 @@ def _response(request_id: str, event: Event) -> pdspec_pb2.GenerateResponse:
                 chosen_k=s.chosen_k,
                 speculative_method=s.method,
                 prompt_lookup_tokens=s.prompt_lookup_tokens,
+                jump_forward_tokens=s.jump_forward_tokens,
+                grammar_rejected_drafts=s.grammar_rejected_drafts,
             )
         )
     for entry in event.logprobs:
@@ -529,7 +543,7 @@ def run_server(
         spec.max_speculative_tokens,
         VALIDATED_FIELDS,
         methods=[spec.method],
-        sources=PROPOSAL_SOURCES,
+        sources=(*PROPOSAL_SOURCES, GRAMMAR),
     )
     shell = NodeShell(
         SERVICE,

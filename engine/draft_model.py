@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from common.transfer import to_device
+from engine.grammar import GrammarState
 from engine.proposer import Plan, Row, shape_nodes, tree_shape
 from models.base import CausalLM, State
 from sampling import DraftToTargetMap, SamplingTensors, point_mass, propose_candidates
@@ -52,6 +53,7 @@ def draft_tokens(
     shapes: Sequence[Sequence[int]],
     params: SamplingTensors,
     uniforms: torch.Tensor,
+    grammars: Sequence[GrammarState | None] = (),
 ) -> list[Drafted]:
     """Row r: consume feeds[r] (target ids ending with the last emitted token) into states[r],
     then draft a tree of shapes[r]. uniforms [R, max nodes] on the sampling device (row r's
@@ -64,7 +66,12 @@ def draft_tokens(
     siblings must be read at once: it can run out of support, and the nodes it drops change
     what the next depth feeds. A single draw fed unread that found no mass (non-finite
     logits) keeps its node with a one-hot law at the id it was fed: a proposal of a known
-    law, so verification stays exact."""
+    law, so verification stays exact.
+
+    grammars[r] (structured outputs): row r drafts under its grammar — each context's draft
+    logits are -inf where the grammar forbids the id's target token after the node's path, so
+    the law drawn from, and shipped, is the masked one (fewer drafts the verifier must reject).
+    Such rows are read each depth: the next depth's masks need the drawn ids."""
     device = uniforms.device
     trees: list[list[_Node]] = [[] for _ in states]
     frontier: list[list[int]] = [[-1] for _ in states]  # row r's nodes at the current depth (-1: the root)
@@ -74,6 +81,8 @@ def draft_tokens(
     logits = draft.extend_batch([states[r] for r in rows], [feeds[r] for r in rows])
     context = {(r, -1): row[-1] for r, row in zip(rows, logits, strict=True)}  # (row, node) -> logits [Vd]
     device_fed = getattr(draft, "device_tokens", False)
+    guided = any(g is not None for g in grammars)
+    d2t_host = d2t.d2t.cpu() if guided else None
     drawn: list[torch.Tensor] = []  # [3, n] (draft id, target id, valid) per draw, on the device
     count = 0  # columns of cat(drawn)
     known, read = torch.empty(3, 0, dtype=torch.int64), 0  # the host copy of cat(drawn[:read])
@@ -91,6 +100,8 @@ def draft_tokens(
         children: list[list[int]] = [[] for _ in states]
         for k, group in by_fanout.items():
             last = torch.stack([context[(r, parent)] for r, parent, _ in group]).to(device)  # [M, Vd]
+            if guided:
+                last = _under_grammar(last, group, grammars, trees, known, d2t_host)
             draws = torch.stack([uniforms[r, first : first + k] for r, _, first in group])  # [M, k]
             sample = propose_candidates(law, last, params.select([r for r, _, _ in group]), draws, k)
             mapped = d2t.map_tokens(sample.token_ids.to(d2t.d2t.device)).to(device)
@@ -98,7 +109,7 @@ def draft_tokens(
             drawn.append(torch.stack([sample.token_ids, mapped, sample.valid.long()]).view(3, -1))  # [3, M*k]
             count += drawn[-1].shape[1]
             may_drop = law is DraftLaw.STOCHASTIC and k > 1
-            if may_drop or not device_fed:
+            if may_drop or not device_fed or guided:
                 known, read = _read(known, drawn, read)  # the host needs these values now
             for m, (r, parent, first) in enumerate(group):
                 for c in range(k):
@@ -135,6 +146,31 @@ def draft_tokens(
     for state in states:  # the tree tokens fed from the device, in their values now
         _resolve(state, ids[1])
     return [_drafted(tree, ids) for tree in trees]
+
+
+def _under_grammar(
+    last: torch.Tensor,  # [M, Vd] the group's draft logits
+    group: list[tuple[int, int, int]],  # (row, parent node, full index of its first child)
+    grammars: Sequence[GrammarState | None],
+    trees: list[list[_Node]],
+    known: torch.Tensor,  # [3, read] the drawn (draft id, target id, valid) on the host
+    d2t: torch.Tensor,  # [Vd] target id of each draft id, on the host
+) -> torch.Tensor:
+    """The group's logits with each constrained row's draft ids its grammar forbids after the
+    parent's path set to -inf (a context with no allowed draft id stays as it is)."""
+    out = last
+    for m, (r, parent, _) in enumerate(group):
+        if grammars[r] is None:
+            continue
+        path = []
+        while parent >= 0:  # the target ids from the root to the parent
+            path.append(int(known[1, trees[r][parent].value]))
+            parent = trees[r][parent].parent
+        allowed = grammars[r].draft_mask(path[::-1], d2t)
+        if allowed is not None:
+            out = out.clone() if out is last else out
+            out[m] = out[m].masked_fill(~allowed.to(out.device), float("-inf"))
+    return out
 
 
 def _read(known: torch.Tensor, drawn: list[torch.Tensor], read: int) -> tuple[torch.Tensor, int]:
@@ -238,5 +274,6 @@ class DraftModelProposer:
             shapes,
             SamplingTensors.from_params([row.params for row in rows], device),
             to_device(uniforms, device),  # [R, N_max], zero padded
+            [row.grammar for row in rows],
         )
         return [self.d2t.proposal(d.target_ids, d.parents, d.probs, source=DRAFT, drafted=d) for d in drafted]

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.grammar import GrammarState
 from engine.prompt_lookup import ContextIndex
 from models.base import State
 from sampling import Proposal, RequestRng, SamplingParams
@@ -62,6 +63,7 @@ class Row(Protocol):
     params: SamplingParams
     rng: RequestRng
     candidates: int  # per tree node (1: a chain)
+    grammar: GrammarState | None  # structured outputs: drafts are drawn under it (engine/grammar.py)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.adaptive import AdaptiveK
+from engine.grammar import GrammarError, Grammars, GrammarState
 from engine.prompt_lookup import ContextIndex
 from models.base import State
 from protos.validation import DecodeInput
@@ -45,6 +46,8 @@ class Stats:
     method: str = ""  # the speculative method
     prompt_lookup_tokens: int = 0  # draft tokens prompt lookup proposed
     preemptions: int = 0  # decode node: times it gave its batch slot up (decode_node/fairness.py)
+    jump_forward_tokens: int = 0  # structured outputs: tokens the grammar forced, proposed as free drafts
+    grammar_rejected_drafts: int = 0  # structured outputs: drafts the grammar forbade
 
     def record(self, proposal: Proposal, path: list[int]) -> list[int]:
         """A verified proposal whose nodes `path` were accepted; returns their ranks among siblings."""
@@ -91,6 +94,9 @@ class Sequence:
     hit: bool = True
     may_draft: bool = True
     gain: float = 1.0  # the tokens the next step expects if it drafts (adaptive K's E(K))
+    # Structured outputs: the matcher of the request's constraint (engine/grammar.py), at the end
+    # of `history`; every step's target law is restricted to the tokens it allows.
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not self.history:
@@ -116,15 +122,32 @@ class Sequence:
     @property
     def plain(self) -> bool:
         """K = 0 (so nothing received to verify either) and no logprobs: one token per step and
-        nothing else read back, what async scheduling queues without waiting."""
-        return not self.k and not self.logprobs
+        nothing else read back, what async scheduling queues without waiting (a constrained row
+        needs its grammar's mask with every step)."""
+        return not self.k and not self.logprobs and self.grammar is None
 
     @classmethod
-    def decoding(cls, decode_input: DecodeInput, eos: Collection[int], default_budget: int, method: str) -> Sequence:
+    def decoding(
+        cls,
+        decode_input: DecodeInput,
+        eos: Collection[int],
+        default_budget: int,
+        method: str,
+        grammars: Grammars | None = None,
+    ) -> Sequence:
         """A decode node's sequence of a validated DecodeRequest: prompt + the prefill node's first
         token, the budget (`default_budget` where the client gave none), the stop rule, its K and
-        candidates, its generator (stream "decode") and the proposal it came with (verified at its
-        first step, its law moved to the device then)."""
+        candidates, its generator (stream "decode"), the proposal it came with (verified at its
+        first step, its law moved to the device then) and its constraint's matcher, compiled by
+        `grammars` (GrammarError where it does not compile), past the first token."""
+        grammar = None
+        if decode_input.constraint is not None and grammars is not None:
+            grammar = grammars.compile(decode_input.constraint)
+            first = decode_input.first_token_id
+            if first >= 0:  # else it comes last (DecodeStream): `receive` makes the sequence anew
+                if not grammar.allows(first):
+                    raise GrammarError("first_token_id", str(first), "a token the constraint allows first")
+                grammar.settle([first])
         return cls(
             prompt=decode_input.prompt_token_ids,
             params=decode_input.params,
@@ -138,6 +161,7 @@ class Sequence:
             method=method,
             history=[*decode_input.prompt_token_ids, decode_input.first_token_id],
             received=decode_input.proposal,
+            grammar=grammar,
         )
 
     def kv_need(self, proposal_nodes: int) -> int:
@@ -148,15 +172,25 @@ class Sequence:
     def append(self, tokens: list[int]) -> tuple[list[int], str]:
         """Add the tokens a step emitted, up to the one that ends the sequence. Returns the tokens
         kept and why it ended ("" while it goes on). The rule: an EOS id wins over a stop id, both
-        over the budget."""
+        over the budget. A constrained sequence ends with "stop" once its grammar is complete: at
+        an EOS (allowed only there), or as soon as the grammar admits nothing more."""
         kept: list[int] = []
         reason = ""
+        grammar = self.grammar
         for token in tokens:
             kept.append(token)
             reason = finish_reason(
                 token, self.eos_token_ids, self.stop_token_ids, self.generated + len(kept), self.budget
             )
+            if grammar is not None:  # token by token: a step may emit more after the grammar completes
+                if token not in self.eos_token_ids:
+                    grammar.settle([token])
+                if reason == "eos" or (grammar.done and reason != "stop"):
+                    reason = "stop"
             if reason:
                 break
         self.history += kept  # in place: the prompt-lookup index holds this list
+        if grammar is not None and reason:  # the request's structured-output counts, for its stats
+            self.stats.jump_forward_tokens = grammar.jump_forward_tokens
+            self.stats.grammar_rejected_drafts = grammar.rejected_drafts
         return kept, reason

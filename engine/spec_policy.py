@@ -91,7 +91,10 @@ class SpecPolicy:
             self.gate is not None
             and len(seqs) > 1
             and all(
-                s.plain or (self._rows[s].adaptive is not None and not s.logprobs and self._batch_free(s)) for s in seqs
+                not s.logprobs
+                and s.grammar is None  # its mask comes with every step: never queued
+                and (s.plain or (self._rows[s].adaptive is not None and self._batch_free(s)))
+                for s in seqs
             )
         )
         if not gateable:
@@ -190,7 +193,7 @@ class SpecPolicy:
         """A match-driven row whose next step cannot draft, past its first step. The context after
         the step before the last decides: `hit` while the row's last step is still in flight,
         `may_draft` once it is read."""
-        if not self.proposer.match_driven or not seq.k or seq.first_step or seq.logprobs:
+        if not self.proposer.match_driven or not seq.k or seq.first_step or seq.logprobs or seq.grammar:
             return False
         row = self._rows[seq]
         return not (row.hit if in_flight else row.may_draft)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.transfer import HostCopy, to_device, to_host_async
+from engine.grammar import guide, jump_forward
 from engine.proposer import Plan, Proposer
 from engine.sequence import Sequence
 from models.base import CausalLM
@@ -45,7 +46,9 @@ def propose(
 ) -> list[Proposal]:
     """Row r's proposal: what it received, on its first step (its law moved to `device`; dropped
     when `hold`: the step runs at K = 0); else the proposer's of depth depths[r] from plans[r]
-    (depth 0: none)."""
+    (depth 0: none). A constrained row that may speculate proposes the tokens its grammar forces
+    instead, when it forces any (jump-forward, engine/grammar.py), and its point-mass chains are
+    cut where the grammar forbids."""
     out = [NO_PROPOSAL] * len(seqs)
     own = []
     for r, seq in enumerate(seqs):
@@ -54,11 +57,13 @@ def propose(
                 probs = seq.received.probs
                 out[r] = replace(seq.received, probs=None if probs is None else to_device(probs, device))
             seq.received = None
+        elif seq.k and not hold and (forced := jump_forward(seq.grammar, seq.k)) is not None:
+            out[r] = forced
         elif depths[r]:
             own.append(r)
     drafted = proposer.propose([seqs[r] for r in own], [plans[r] for r in own], [depths[r] for r in own])
     for r, proposal in zip(own, drafted, strict=True):
-        out[r] = proposal
+        out[r] = guide(seqs[r].grammar, proposal)
     return out
 
 
@@ -87,7 +92,11 @@ def verify(
     tree = [[-1, *(q + 1 for q in p.parents)] for p in proposals]  # the last token is tree token 0
     logits = target.extend_tree([s.target_state for s in seqs], feeds, tree)  # B x [N_b+1, Vt]
     device = verifier.device
-    batch = VerifyBatch.build(proposals, [len(s.history) for s in seqs], target.vocab_size, device)
+    masks = [
+        None if s.grammar is None else s.grammar.masks(p.token_ids, p.parents)
+        for s, p in zip(seqs, proposals, strict=True)
+    ]
+    batch = VerifyBatch.build(proposals, [len(s.history) for s in seqs], target.vocab_size, device, masks)
     result = verifier.verify(batch, logits, [s.params for s in seqs], [s.rng for s in seqs])
     launched()
     emitted, paths = result.host()

@@ -14,6 +14,7 @@ from google.protobuf import json_format
 from pdspec.client import Client, decode_info
 from pdspec.config import EnvArgumentParser, read_peer_token
 from pdspec.tls import ClientTls, add_client_flags
+from protos import pdspec_pb2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
                 "--draft-candidates",
                 {"default": None, "type": int, "help": "candidates per draft node (> 1: multi-draft trees)"},
             ),
+            ("--json-schema", {"default": None, "help": "structured output: a JSON Schema file the output follows"}),
+            ("--json-object", {"default": False, "type": bool, "help": "structured output: any JSON object"}),
+            ("--regex", {"default": None, "help": "structured output: the whole output matches this regex"}),
+            ("--grammar", {"default": None, "help": "structured output: a Lark (or GBNF) grammar file"}),
             ("--stats", {"default": False, "type": bool, "help": "print acceptance per position and tokens/s"}),
             ("--timeout", {"default": 0.0, "type": float, "help": "deadline in seconds (0 = none)"}),
         ],
@@ -87,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         args.tls = ClientTls.from_args(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
     except ValueError as err:
         parser.error(str(err))
+    if args.command == "generate":
+        try:
+            args.structured_output = _structured_output(args)
+        except (OSError, ValueError) as err:
+            parser.error(str(err))
     try:
         return _generate(args) if args.command == "generate" else _info(args)
     except grpc.RpcError as err:
@@ -124,6 +134,27 @@ def _client(args) -> Client:
     )
 
 
+def _structured_output(args) -> pdspec_pb2.StructuredOutput | None:
+    """The constraint of --json-schema FILE / --json-object / --regex / --grammar FILE (at most one)."""
+    given = [name for name in ("json_schema", "json_object", "regex", "grammar") if getattr(args, name)]
+    if len(given) > 1:
+        flags = "--json-schema, --json-object, --regex, --grammar"
+        raise ValueError(f"structured output: expected at most one of {flags}, got {len(given)}")
+    if not given:
+        return None
+    out = pdspec_pb2.StructuredOutput()
+    if args.json_schema:
+        schema = json.loads(Path(args.json_schema).read_text())  # a ValueError names what is wrong
+        out.json_schema = json.dumps(schema)
+    elif args.json_object:
+        out.json_object = True
+    elif args.regex:
+        out.regex = args.regex
+    else:
+        out.grammar = Path(args.grammar).read_text()
+    return out
+
+
 def _generate(args) -> int:
     started = time.monotonic()
     with _client(args) as client:
@@ -139,6 +170,7 @@ def _generate(args) -> int:
             num_speculative_tokens=args.num_spec_tokens,
             draft_candidates=args.draft_candidates,
             timeout=args.timeout or None,
+            structured_output=args.structured_output,
         ):
             print(response.text, end="", flush=True)
             tokens += len(response.token_ids)

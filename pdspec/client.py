@@ -67,11 +67,13 @@ class Client:
         draft_candidates: int | None = None,
         request_id: str | None = None,
         timeout: float | None = 60.0,
+        structured_output: pdspec_pb2.StructuredOutput | None = None,
     ) -> Iterator[pdspec_pb2.GenerateResponse]:
         """The raw response stream; cancel it by closing the iterator.
 
         num_speculative_tokens / draft_candidates None: the server's default K / candidates
-        per draft node (> 1: multi-draft trees). timeout None: no deadline."""
+        per draft node (> 1: multi-draft trees). timeout None: no deadline. structured_output:
+        a constraint on the text (e.g. StructuredOutput(json_schema=json.dumps(schema)))."""
         sampling = pdspec_pb2.SamplingParams(
             do_sample=not greedy,
             temperature=temperature,
@@ -93,6 +95,8 @@ class Client:
             request.num_speculative_tokens = num_speculative_tokens
         if draft_candidates is not None:
             request.draft_candidates = draft_candidates
+        if structured_output is not None:
+            request.structured_output.CopyFrom(structured_output)
         return self.stub.Generate(request, timeout=timeout)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Generation:

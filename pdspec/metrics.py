@@ -26,11 +26,15 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import choose_encoder
 
+from protos.constraint import KINDS
+
 log = logging.getLogger(__name__)
 
 DO_SAMPLE = ("false", "true")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # First tokens and gaps between tokens take milliseconds: resolve them.
+# A grammar's masks for one step: tens of microseconds per context.
+MASK_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -159,6 +163,28 @@ class NodeMetrics:
             buckets=FAST_BUCKETS,
             registry=reg,
         )
+        self.structured_requests = Counter(
+            "pdspec_structured_output_requests",
+            "Requests with a structured-output constraint, by its kind",
+            ["node", "kind"],
+            registry=reg,
+        )
+        self.grammar_mask_seconds = Histogram(
+            "pdspec_grammar_mask_seconds",
+            "Time computing one constrained row's grammar masks for a step (every context of its proposal)",
+            ["node"],
+            buckets=MASK_BUCKETS,
+            registry=reg,
+        )
+        self.grammar_rejected_drafts = Counter(
+            "pdspec_grammar_rejected_drafts", "Draft tokens the grammar forbade", ["node"], registry=reg
+        )
+        self.jump_forward_tokens = Counter(
+            "pdspec_grammar_jump_forward_tokens",
+            "Tokens the grammar forced, proposed as free drafts (jump-forward)",
+            ["node"],
+            registry=reg,
+        )
         self.node_info = Info("pdspec_node", "The node: role, version, models, device, backends", registry=reg)
         self._preinitialise(max_speculative_tokens, fields)
         for source in sources:
@@ -214,6 +240,10 @@ class NodeMetrics:
             self.proposal_bytes.labels(self.node, encoding)
         for name in fields:
             self.validation_rejections.labels(self.node, name)
+        for kind in KINDS:
+            self.structured_requests.labels(self.node, kind)
+        for family in (self.grammar_mask_seconds, self.grammar_rejected_drafts, self.jump_forward_tokens):
+            family.labels(self.node)
 
     def record_step(
         self, do_sample: bool, num_draft: int, accepted: int, emitted: int, ranks: Sequence[int] = ()
@@ -238,6 +268,15 @@ class NodeMetrics:
         if num_draft:
             self.source_draft_tokens.labels(source).inc(num_draft)
             self.source_accepted_tokens.labels(source).inc(accepted)
+
+    def record_grammar(self, mask_seconds: Iterable[float], rejected_drafts: int, jump_forward_tokens: int) -> None:
+        """A constrained request's structured-output work on this node, at its end: the time of
+        each step's masks, the drafts its grammar forbade, the forced tokens it proposed."""
+        histogram = self.grammar_mask_seconds.labels(self.node)
+        for seconds in mask_seconds:
+            histogram.observe(seconds)
+        self.grammar_rejected_drafts.labels(self.node).inc(rejected_drafts)
+        self.jump_forward_tokens.labels(self.node).inc(jump_forward_tokens)
 
     def streamed(self, tokens: int, elapsed: float, first: bool) -> None:
         """One message of `tokens` tokens streamed `elapsed` seconds after the request's previous

@@ -21,13 +21,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.transfer import HostCopy
+from common.transfer import HostCopy, to_device
 from engine.device import on_device
+from engine.grammar import GrammarError, Grammars, GrammarState, guide, jump_forward
 from engine.proposers import proposer_for
 from engine.sequence import Sequence
 from engine.spec_config import SpeculativeConfig
 from models.pair import ModelPair
 from protos import pdspec_pb2
+from protos.constraint import Constraint
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
 from protos.shm_kv import SharedKvSegment
 from protos.validation import (
@@ -38,9 +40,11 @@ from protos.validation import (
     check_prompt_length,
     check_request_id,
     check_sampling,
+    check_structured_output,
 )
 from protos.wire import WireDecodeRequest, kv_manifest
 from sampling import RequestRng, SamplingParams, SamplingTensors, sample_target
+from sampling.filtering import restrict
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw, Proposal
 
@@ -97,6 +101,8 @@ class Checked:
     max_new_tokens: int
     params: SamplingParams
     sampling: pdspec_pb2.SamplingParams  # as it travels on to the decode node
+    constraint: Constraint | None = None  # structured outputs
+    grammar: GrammarState | None = None  # the constraint's matcher, compiled by `check`
 
 
 @dataclass(frozen=True)
@@ -142,6 +148,7 @@ class PrefillEngine:
         self.fingerprint = self.contract.fingerprint()
         self.max_speculative_tokens = config.spec.max_speculative_tokens  # lowered to the peer's
         self.proposer = proposer_for(pair, config.spec, config.device)
+        self.grammars = Grammars.for_pair(pair)  # structured outputs
         self.max_draft_candidates = config.spec.candidates(self.trees)  # lowered to the peer's
         self._lock = threading.Lock()  # one step at a time (the models need not be thread-safe)
         self._jobs_lock = threading.Lock()
@@ -219,13 +226,28 @@ class PrefillEngine:
             candidates = max(1, min(self.config.spec.draft_candidates, self.max_draft_candidates))
         if not 1 <= candidates <= self.max_draft_candidates:
             found.append(Violation("draft_candidates", f"1..{self.max_draft_candidates}", str(candidates)))
+        constraint = check_structured_output(request.structured_output, found)
         if found:
             return found
+        grammar = None
+        if constraint is not None:
+            try:  # on the caller's thread, bounded (engine/grammar.py): never the engine thread's time
+                grammar = self.grammars.compile(constraint)
+            except GrammarError as err:
+                return [Violation(err.field, err.expected, err.message)]
         sampling = pdspec_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         sampling.max_new_tokens = request.sampling.max_new_tokens or self.config.default_max_new_tokens
         return Checked(
-            request.request_id or uuid.uuid4().hex, ids, k, candidates, sampling.max_new_tokens, params, sampling
+            request.request_id or uuid.uuid4().hex,
+            ids,
+            k,
+            candidates,
+            sampling.max_new_tokens,
+            params,
+            sampling,
+            constraint,
+            grammar,
         )
 
     def prefill(self, checked: Checked, sink: queue.Queue | None = None) -> Prefilled:
@@ -345,6 +367,7 @@ class PrefillEngine:
             candidates=checked.candidates,
             logprobs=checked.sampling.logprobs,
             method=self.proposer.method,
+            grammar=checked.grammar,
         )
 
     def _step(self) -> None:
@@ -415,7 +438,13 @@ class PrefillEngine:
         rows = SamplingTensors.from_params([job.seq.params for job in jobs], device)
         uniforms = torch.stack([job.seq.rng.uniforms(1) for job in jobs]).to(device)  # [R, 1]
         logits = logits.to(device)
-        firsts = sample_target(logits[:, None], rows, uniforms).token_ids[:, 0].cpu().tolist()
+        law = logits  # [R, V]; restricted to each constrained row's grammar (the masked law)
+        masks = [job.seq.grammar.masks([], []) for job in jobs if job.seq.grammar is not None]  # [1, W] each
+        if masks:
+            bitmask = torch.full((len(jobs), masks[0].shape[1]), -1, dtype=torch.int32)
+            bitmask[[r for r, job in enumerate(jobs) if job.seq.grammar is not None]] = torch.cat(masks)
+            law = restrict(logits, to_device(bitmask, device))
+        firsts = sample_target(law[:, None], rows, uniforms).token_ids[:, 0].cpu().tolist()
         for row, (job, first) in enumerate(zip(jobs, firsts, strict=True)):
             _, reason = job.seq.append([first])
             logprob = None
@@ -504,7 +533,7 @@ class PrefillEngine:
 
     def _header(self, checked: Checked) -> pdspec_pb2.DecodeRequest:
         """The DecodeRequest fields known before the prefill (no first token, no proposal)."""
-        return pdspec_pb2.DecodeRequest(
+        header = pdspec_pb2.DecodeRequest(
             request_id=checked.request_id,
             protocol_version=self.contract.protocol_version,
             contract_fingerprint=self.fingerprint,
@@ -513,6 +542,9 @@ class PrefillEngine:
             sampling=checked.sampling,
             draft_candidates=checked.candidates,
         )
+        if checked.constraint is not None:  # the decode node rebuilds the matcher from it
+            checked.constraint.to_proto(header.structured_output)
+        return header
 
     def _encode(
         self, proposal: Proposal, k: int, header: pdspec_pb2.DecodeRequest, wire: WireDecodeRequest
@@ -562,11 +594,18 @@ class PrefillEngine:
         state over the prompt) lives for this call only, made for the rows that may draft."""
         seqs = [job.seq for job in jobs]
         proposer = self.proposer
-        drafting = [seq for seq in seqs if seq.k]
+        # A constrained request proposes what its grammar forces after the first token, when it
+        # forces anything (jump-forward), and its point-mass drafts stop where the grammar forbids.
+        forced = [jump_forward(seq.grammar, seq.k) for seq in seqs]
+        drafting = [seq for seq, f in zip(seqs, forced, strict=True) if seq.k and f is None]
         try:
             proposer.start(drafting, [len(seq.history) + proposer.max_nodes(seq.k, seq.candidates) for seq in drafting])
-            plans = proposer.plan(seqs, [seq.k for seq in seqs])
-            return proposer.propose(seqs, plans, [plan.limit for plan in plans])
+            plans = proposer.plan(seqs, [seq.k if f is None else 0 for seq, f in zip(seqs, forced, strict=True)])
+            drafted = proposer.propose(seqs, plans, [plan.limit for plan in plans])
+            return [
+                guide(seq.grammar, proposal) if f is None else f
+                for seq, proposal, f in zip(seqs, drafted, forced, strict=True)
+            ]
         finally:
             for seq in seqs:
                 proposer.stop(seq)

@@ -51,6 +51,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from models.tokenizer import ByteTokenizer
 from prefill_node.service import GenerationService, RequestFailed
 from protos import pdspec_pb2
+from protos.constraint import KINDS
 
 log = logging.getLogger(__name__)
 INT32_MAX = 2**31 - 1
@@ -139,16 +140,48 @@ def clip(value: object, limit: int = ECHO_CHARS) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def from_request_failed(err: RequestFailed, chat: bool) -> OpenAIError:
-    """A GenerationService failure as the OpenAI error a client of this endpoint expects."""
+def from_request_failed(err: RequestFailed, chat: bool, constraint_param: str | None = None) -> OpenAIError:
+    """A GenerationService failure as the OpenAI error a client of this endpoint expects;
+    `constraint_param` names the parameter the request's structured-output constraint came in
+    (response_format or structured_outputs)."""
     status = _STATUS.get(err.code, 500)
     if err.violations:
         names = {**_PARAMS, **(_CHAT_PARAMS if chat else {})}
+        names.update({f"structured_output.{kind}": constraint_param for kind in KINDS})
         parts = [(names.get(v.field, v.field), v) for v in err.violations]
         message = "; ".join(f"{param or v.field}: {v.description}" for param, v in parts)
         return OpenAIError(status, message, parts[0][0], "invalid_parameter")
     code = {429: "resource_exhausted", 503: "unavailable"}.get(status, err.code.lower())
     return OpenAIError(status, err.message, None, code)
+
+
+_EXTENSION_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _extension(given: dict[str, Any], out: pdspec_pb2.StructuredOutput) -> pdspec_pb2.StructuredOutput:
+    """`structured_outputs` (vLLM's names: json, regex, choice, grammar, json_object) into `out`:
+    exactly one of them, of its type, else a 400 naming structured_outputs."""
+    keys = [k for k, v in given.items() if v not in (None, False)]
+    unknown = [k for k in keys if k not in (*_EXTENSION_KINDS, "json_object")]
+    if unknown or len(keys) != 1:
+        got = f"unsupported key(s) {clip(unknown)}" if unknown else f"{len(keys)} of them"
+        message = f"structured_outputs: expected exactly one of json, regex, choice, grammar, json_object; got {got}"
+        raise OpenAIError(400, message, "structured_outputs", "invalid_parameter")
+    key = keys[0]
+    value = given[key]
+    if key == "json_object":
+        out.json_object = True
+    elif key == "json" and isinstance(value, dict | str):
+        out.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif key == "choice" and isinstance(value, list) and all(isinstance(c, str) for c in value):
+        out.choice.values.extend(value)
+    elif key in ("regex", "grammar") and isinstance(value, str):
+        setattr(out, key, value)
+    else:
+        expected = {"json": "a JSON Schema", "choice": "a list of strings"}.get(key, "a string")
+        message = f"structured_outputs.{key}: expected {expected}, got {type(value).__name__}"
+        raise OpenAIError(400, message, "structured_outputs", "invalid_parameter")
+    return out
 
 
 def _validation_error(err: RequestValidationError) -> OpenAIError:
@@ -253,6 +286,8 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     num_speculative_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None  # pdspec extension
     draft_candidates: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None  # pdspec extension: multi-draft
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema (OpenAI)
+    structured_outputs: dict[str, Any] | None = None  # extension (vLLM): json, regex, choice, grammar, json_object
 
 
 class CompletionBody(_Sampling):
@@ -278,7 +313,6 @@ class ChatBody(_Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------- the call
@@ -778,12 +812,37 @@ class OpenAIApi:
                 raise OpenAIError(400, message, "prompt", "unsupported")
         elif body.tools:
             raise OpenAIError(400, "tools: not supported (no function calling)", "tools", "unsupported")
-        elif body.response_format and body.response_format.get("type", "text") != "text":
-            message = f"response_format: expected type text, got {clip(repr(body.response_format.get('type')))}"
-            raise OpenAIError(400, message, "response_format", "unsupported")
         elif body.max_tokens and body.max_completion_tokens and body.max_tokens != body.max_completion_tokens:
             message = "max_tokens / max_completion_tokens: expected one, or equal values"
             raise OpenAIError(400, message, "max_completion_tokens", "invalid_parameter")
+
+    def _constraint(self, body: CompletionBody | ChatBody) -> tuple[pdspec_pb2.StructuredOutput | None, str | None]:
+        """The request's structured-output constraint and the parameter it came in, or (None,
+        None); a 400 naming response_format / structured_outputs for a shape the API does not
+        have. Whether it compiles is the engine's check (its message, the same parameter)."""
+        fmt, ext = body.response_format, body.structured_outputs
+        kind = None if fmt is None else fmt.get("type", "text")
+        out = pdspec_pb2.StructuredOutput()
+        if ext:
+            if kind not in (None, "text"):
+                message = "structured_outputs: expected it or response_format, got both"
+                raise OpenAIError(400, message, "structured_outputs", "invalid_parameter")
+            return _extension(ext, out), "structured_outputs"
+        if kind in (None, "text"):
+            return None, None
+        if kind == "json_object":
+            out.json_object = True
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                message = "response_format: expected json_schema.schema, a JSON Schema object"
+                raise OpenAIError(400, message, "response_format", "invalid_parameter")
+            out.json_schema = json.dumps(schema)  # strict or not: the schema is always enforced
+        else:
+            message = f"response_format: expected type text, json_object or json_schema, got {clip(repr(kind))}"
+            raise OpenAIError(400, message, "response_format", "invalid_parameter")
+        return out, "response_format"
 
     def _sampling(self, body: CompletionBody | ChatBody, max_tokens: int, logprobs: int) -> pdspec_pb2.SamplingParams:
         temperature = 1.0 if body.temperature is None else body.temperature
@@ -838,7 +897,14 @@ class OpenAIApi:
             return ids
         return list(prompt)
 
-    def _generate_request(self, body: CompletionBody | ChatBody, chat: bool, rid: str, logprobs: int):
+    def _generate_request(
+        self,
+        body: CompletionBody | ChatBody,
+        chat: bool,
+        rid: str,
+        logprobs: int,
+        constraint: pdspec_pb2.StructuredOutput | None,
+    ):
         if chat:
             assert isinstance(body, ChatBody)
             max_tokens = body.max_completion_tokens or body.max_tokens or 0  # 0: the server's default
@@ -856,6 +922,8 @@ class OpenAIApi:
                 request.num_speculative_tokens = body.num_speculative_tokens
             if body.draft_candidates is not None:
                 request.draft_candidates = body.draft_candidates
+            if constraint is not None:
+                request.structured_output.CopyFrom(constraint)
             return request
 
         return build
@@ -864,6 +932,7 @@ class OpenAIApi:
 
     async def _serve(self, request: Request, body: CompletionBody | ChatBody, chat: bool):
         self._check(body, chat)
+        constraint, constraint_param = self._constraint(body)
         if chat:
             assert isinstance(body, ChatBody)
             top = body.top_logprobs or 0
@@ -887,7 +956,8 @@ class OpenAIApi:
             logprobs=_Logprobs(self.texts, top) if wants_logprobs else None,
             include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
         )
-        run = _Run(self, self._generate_request(body, chat, rid, engine_logprobs), asyncio.get_running_loop())
+        build = self._generate_request(body, chat, rid, engine_logprobs, constraint)
+        run = _Run(self, build, asyncio.get_running_loop())
         headers = {"x-request-id": rid}
         try:
             if not body.stream:
@@ -899,7 +969,7 @@ class OpenAIApi:
             first = await _until_disconnect(request, run, run.next())
         except RequestFailed as err:
             run.cancel()
-            raise from_request_failed(err, chat) from err
+            raise from_request_failed(err, chat, constraint_param) from err
         except _ClientGone:
             return Response(status_code=499)
         except BaseException:
@@ -908,12 +978,14 @@ class OpenAIApi:
         if first is None:
             raise OpenAIError(500, f"request {rid!r}: the generation ended without a response")
         return StreamingResponse(
-            self._events(run, first, shape, chat),
+            self._events(run, first, shape, chat, constraint_param),
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _events(self, run: _Run, first, shape: _Shape, chat: bool) -> AsyncIterator[str]:
+    async def _events(
+        self, run: _Run, first, shape: _Shape, chat: bool, constraint_param: str | None
+    ) -> AsyncIterator[str]:
         """The SSE stream; a client that disconnects cancels the stream's task, and so the run."""
         try:
             if chat:
@@ -930,7 +1002,7 @@ class OpenAIApi:
                 yield _sse(shape.usage_chunk(_usage(run.prompt_tokens, generated), stats))
             yield _sse("[DONE]")
         except RequestFailed as err:
-            yield _sse(from_request_failed(err, chat).body())
+            yield _sse(from_request_failed(err, chat, constraint_param).body())
         except Exception as err:
             log.exception("request %s: stream failed", shape.id)
             yield _sse(OpenAIError(500, f"{type(err).__name__}: {err}").body())

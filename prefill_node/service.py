@@ -114,6 +114,8 @@ class GenerationService:
         """The request's checks alone (RequestFailed INVALID_ARGUMENT), counted by field."""
         checked = self.engine.check(request)
         if isinstance(checked, Checked):
+            if checked.constraint is not None:
+                self.metrics.structured_requests.labels("prefill", checked.constraint.kind).inc()
             return checked
         for violation in checked:
             self.metrics.validation_rejections.labels("prefill", violation.field).inc()

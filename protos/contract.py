@@ -5,8 +5,11 @@ spaces) of:
     {"protocol_version": int, "target_vocab_size": int, "draft_vocab_size": int,
      "d2t_sha256": hex sha256 of d2t as little-endian int64 bytes,
      "target_model": str, "draft_model": str,
-     "kv_layout": [[dtype name, [dim, ...]], ...]}   # dims are ints or "seq"
-Anything that changes how one side's bytes are read by the other changes the hash.
+     "kv_layout": [[dtype name, [dim, ...]], ...],   # dims are ints or "seq"
+     "grammar_engine": str}                           # structured outputs, e.g. "llguidance/1"
+Anything that changes how one side's bytes are read by the other changes the hash: a decode
+node that would ignore DecodeRequest.structured_output, or whose grammar engine could allow
+other tokens than the prefill node's, has another fingerprint.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protos.constraint import GRAMMAR_ENGINE
 from protos.kv_layout import KvTensorSpec, kv_bytes
 
 PROTOCOL_VERSION = 1
@@ -32,6 +36,7 @@ class Contract:
     draft_model: str
     kv_layout: tuple[KvTensorSpec, ...] = ()
     protocol_version: int = PROTOCOL_VERSION
+    grammar_engine: str = GRAMMAR_ENGINE
 
     def fingerprint(self) -> str:
         return _fingerprint(self)
@@ -51,6 +56,7 @@ def _fingerprint(contract: Contract) -> str:
         "target_model": contract.target_model,
         "draft_model": contract.draft_model,
         "kv_layout": [[str(spec.dtype).removeprefix("torch."), list(spec.shape)] for spec in contract.kv_layout],
+        "grammar_engine": contract.grammar_engine,
     }
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()

@@ -80,7 +80,7 @@ class Proposal(_message.Message):
     def __init__(self, encoding: _Optional[_Union[Proposal.Encoding, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[TensorPB, _Mapping]] = ..., sparse_ids: _Optional[_Union[TensorPB, _Mapping]] = ..., sparse_probs: _Optional[_Union[TensorPB, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ..., partial: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "num_speculative_tokens", "stop", "draft_candidates")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "num_speculative_tokens", "stop", "draft_candidates", "structured_output")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class GenerateRequest(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -95,7 +96,28 @@ class GenerateRequest(_message.Message):
     num_speculative_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     draft_candidates: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., draft_candidates: _Optional[int] = ...) -> None: ...
+    structured_output: StructuredOutput
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., draft_candidates: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: ChoiceList
+    grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "stats", "logprobs")
@@ -126,7 +148,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("verify_steps", "draft_tokens", "accepted_tokens", "accepted_per_position", "accepted_per_rank", "chosen_k", "speculative_method", "prompt_lookup_tokens")
+    __slots__ = ("verify_steps", "draft_tokens", "accepted_tokens", "accepted_per_position", "accepted_per_rank", "chosen_k", "speculative_method", "prompt_lookup_tokens", "jump_forward_tokens", "grammar_rejected_drafts")
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +157,8 @@ class RequestStats(_message.Message):
     CHOSEN_K_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    JUMP_FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_REJECTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     verify_steps: int
     draft_tokens: int
     accepted_tokens: int
@@ -143,10 +167,12 @@ class RequestStats(_message.Message):
     chosen_k: _containers.RepeatedScalarFieldContainer[int]
     speculative_method: str
     prompt_lookup_tokens: int
-    def __init__(self, verify_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_rank: _Optional[_Iterable[int]] = ..., chosen_k: _Optional[_Iterable[int]] = ..., speculative_method: _Optional[str] = ..., prompt_lookup_tokens: _Optional[int] = ...) -> None: ...
+    jump_forward_tokens: int
+    grammar_rejected_drafts: int
+    def __init__(self, verify_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_rank: _Optional[_Iterable[int]] = ..., chosen_k: _Optional[_Iterable[int]] = ..., speculative_method: _Optional[str] = ..., prompt_lookup_tokens: _Optional[int] = ..., jump_forward_tokens: _Optional[int] = ..., grammar_rejected_drafts: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "protocol_version", "contract_fingerprint", "prompt_token_ids", "first_token_id", "sampling", "num_speculative_tokens", "proposal", "kv_cache", "draft_candidates", "kv_shm")
+    __slots__ = ("request_id", "protocol_version", "contract_fingerprint", "prompt_token_ids", "first_token_id", "sampling", "num_speculative_tokens", "proposal", "kv_cache", "draft_candidates", "structured_output", "kv_shm")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +183,7 @@ class DecodeRequest(_message.Message):
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     KV_SHM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     protocol_version: int
@@ -168,8 +195,9 @@ class DecodeRequest(_message.Message):
     proposal: Proposal
     kv_cache: _containers.RepeatedCompositeFieldContainer[TensorPB]
     draft_candidates: int
+    structured_output: StructuredOutput
     kv_shm: SharedKv
-    def __init__(self, request_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., kv_cache: _Optional[_Iterable[_Union[TensorPB, _Mapping]]] = ..., draft_candidates: _Optional[int] = ..., kv_shm: _Optional[_Union[SharedKv, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., kv_cache: _Optional[_Iterable[_Union[TensorPB, _Mapping]]] = ..., draft_candidates: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., kv_shm: _Optional[_Union[SharedKv, _Mapping]] = ...) -> None: ...
 
 class SharedKv(_message.Message):
     __slots__ = ("name", "size", "manifest", "offsets", "lengths")

@@ -13,6 +13,7 @@ receiver's map is applied there, never re-implemented here.
 from __future__ import annotations
 
 import enum
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,7 @@ import torch
 from common.transfer import Buffer
 from protos import pdspec_pb2
 from protos.codec import TORCH_DTYPES, WIRE_DTYPES, TensorDecodeError, decode_tensor, dtype_name
+from protos.constraint import MAX_CHOICES, MAX_CONSTRAINT_BYTES, Constraint
 from protos.contract import Contract
 from sampling import DraftToTargetMap, Proposal, SamplingParams
 from sampling.params import InvalidParameter
@@ -129,6 +131,7 @@ class DecodeInput:
     logprobs: int = 0  # top log-probabilities to report per token (0 = none)
     num_speculative_tokens: int = 0  # K: the depth of this request's proposals
     draft_candidates: int = 1  # candidates per node of the trees the decode node drafts
+    constraint: Constraint | None = None  # structured outputs (compiled by the decode node's grammar engine)
 
 
 def validate_decode_request(
@@ -181,6 +184,7 @@ def validate_decode_request(
             found.append(Violation("proposal", "absent with proposal_follows (it comes last)", "present"))
     else:
         check_ids("first_token_id", [request.first_token_id], vocab, found)
+    constraint = check_structured_output(request.structured_output, found)
     k = request.num_speculative_tokens
     if not 0 <= k <= receiver.max_speculative_tokens:
         found.append(Violation("num_speculative_tokens", f"0..{receiver.max_speculative_tokens}", str(k)))
@@ -238,6 +242,7 @@ def validate_decode_request(
         logprobs=request.sampling.logprobs,
         num_speculative_tokens=k,
         draft_candidates=candidates,
+        constraint=constraint,
     )
 
 
@@ -585,3 +590,48 @@ def check_shared_kv(shm: pdspec_pb2.SharedKv, contract: Contract, prompt_len: in
         elif offset + length > shm.size:
             where = f"[{offset}, {offset + length})"
             found.append(Violation(f"kv_shm.offsets[{i}]", f"a range inside kv_shm.size = {shm.size} bytes", where))
+
+
+def check_structured_output(message: pdspec_pb2.StructuredOutput, found: list[Violation]) -> Constraint | None:
+    """A request's constraint, checked as far as no tokenizer is needed (both nodes); None when
+    no kind is set (free text) or when it is wrong (a violation naming the kind's field)."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        return None
+    path = f"structured_output.{kind}"
+    problem: tuple[str, str] | None = None
+    value = ""
+    if kind == "json_object":
+        if not message.json_object:
+            problem = "true (false: leave structured_output unset)", "false"
+    elif kind == "choice":
+        values = list(message.choice.values)
+        size = sum(len(v.encode()) for v in values)
+        if not 1 <= len(values) <= MAX_CHOICES:
+            problem = f"1..{MAX_CHOICES} strings", f"{len(values)}"
+        elif any(not v for v in values) or len(set(values)) != len(values):
+            problem = "distinct non-empty strings", json.dumps(values)[:120]
+        elif size > MAX_CONSTRAINT_BYTES:
+            problem = f"at most {MAX_CONSTRAINT_BYTES} bytes", f"{size} bytes"
+        value = json.dumps(values)
+    else:
+        value = getattr(message, kind)
+        size = len(value.encode())
+        if not value:
+            problem = "a non-empty string", "an empty one"
+        elif size > MAX_CONSTRAINT_BYTES:
+            problem = f"at most {MAX_CONSTRAINT_BYTES} bytes", f"{size} bytes"
+        elif kind == "json_schema":
+            try:
+                schema = json.loads(value)
+            except ValueError as err:
+                schema, problem = None, ("a JSON Schema as JSON text", f"invalid JSON ({err})")
+            if problem is None and not isinstance(schema, dict):
+                problem = "a JSON Schema object", type(schema).__name__
+            if problem is None:
+                # one cache entry per schema text; the key order stays (the grammar emits properties in it)
+                value = json.dumps(schema, separators=(",", ":"))
+    if problem is not None:
+        found.append(Violation(path, *problem))
+        return None
+    return Constraint(kind, value)

@@ -61,7 +61,10 @@ class VerifyBatch:
         and past the row), or None: every row a chain of N nodes (parents -1, 0, ..., N-2);
     num_nodes [B] nodes per row in [0, N], or None (= N; chains: N for every row);
     positions [B] the sequence position of row b's first target token for a row verified by
-        coupling (a point-mass proposal, `Verifier`), None for one that is not; or None: no row.
+        coupling (a point-mass proposal, `Verifier`), None for one that is not; or None: no row;
+    bitmask [B, N+1, ceil(Vt/32)] int32, structured outputs: the tokens allowed at each context
+        (row b's root, then after each node; all bits set past a row and on free rows), the
+        target's logits restricted to them (`sampling.filtering.restrict`); or None: no row.
     Chains (`chain`, parents None) take the chain kernel (`rejection_sample`), anything else the
     tree kernel. The id and parent tensors may live on the host; the verifier moves them.
     """
@@ -71,6 +74,7 @@ class VerifyBatch:
     parents: torch.Tensor | None = None
     num_nodes: Sequence[int] | None = None
     positions: Sequence[int | None] | None = None
+    bitmask: torch.Tensor | None = None
 
     @property
     def chain(self) -> bool:
@@ -122,6 +126,13 @@ class VerifyBatch:
                 raise ValueError(f"num_nodes: expected {n} for every row of chains (parents None), got {counts}")
         if self.positions is not None and len(self.positions) != batch:
             raise ValueError(f"positions: expected {batch} entries, got {len(self.positions)}")
+        mask = self.bitmask
+        if mask is not None and (
+            mask.dtype != torch.int32 or mask.dim() != 3 or tuple(mask.shape[:2]) != (batch, n + 1)
+        ):
+            raise ValueError(
+                f"bitmask: expected int32 of shape [{batch}, {n + 1}, W], got {mask.dtype} {list(mask.shape)}"
+            )
 
     @classmethod
     def build(
@@ -130,22 +141,30 @@ class VerifyBatch:
         positions: Sequence[int],
         vocab_size: int,
         device: torch.device | str,
+        masks: Sequence[torch.Tensor | None] | None = None,
     ) -> VerifyBatch:
         """The batch of row b's `proposals[b]` (NO_PROPOSAL: no nodes). positions[b]: the
         sequence position of the row's first target token (its history's length); only
         point-mass rows keep it, as they verify by coupling (each token the one a K = 0 step
         would draw at its position, so a seeded row's tokens do not depend on K). The laws go
         to `device`; a point mass is written densely (`point_mass`) only where another row of
-        the batch is dense: chains of one depth and one law stay chains."""
+        the batch is dense: chains of one depth and one law stay chains. masks[b]: row b's
+        [N_b+1, W] int32 grammar bitmasks (structured outputs), or None for a free row."""
         sizes = [len(p.token_ids) for p in proposals]
         n = max(sizes)
+        bitmask = None
+        if masks is not None and any(m is not None for m in masks):
+            bitmask = torch.full((len(proposals), n + 1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+            for b, mask in enumerate(masks):
+                if mask is not None:
+                    bitmask[b, : len(mask)] = mask
         dense = [p.probs is not None for p in proposals]
         coupled = [None if d else at for at, d in zip(positions, dense, strict=True)]
         ids = torch.tensor([[*p.token_ids, *[0] * (n - len(p.token_ids))] for p in proposals], dtype=torch.int64)
         ids = ids.view(len(proposals), n)  # [B, N] also when every row is empty
         if all(p.is_chain for p in proposals) and len(set(sizes)) == 1 and len(set(dense)) == 1:
             probs = torch.stack([p.probs for p in proposals]).to(device) if dense[0] else None
-            return cls(ids, probs, None, sizes, coupled)
+            return cls(ids, probs, None, sizes, coupled, bitmask)
         parents = torch.tensor([[*p.parents, *[-1] * (n - len(p.parents))] for p in proposals], dtype=torch.int64)
         probs = None
         if any(dense):  # one launch for both laws: a point mass as one-hot rows
@@ -153,4 +172,4 @@ class VerifyBatch:
             for b, p in enumerate(proposals):
                 if p.probs is not None and p.token_ids:
                     probs[b, : len(p.token_ids)] = p.probs
-        return cls(ids, probs, parents.view(len(proposals), n), sizes, coupled)
+        return cls(ids, probs, parents.view(len(proposals), n), sizes, coupled, bitmask)

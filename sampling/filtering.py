@@ -4,7 +4,8 @@ Temperature, then top-k (ties with the k-th logit are kept, as in HF and vLLM), 
 top-p over what top-k left (the smallest descending prefix whose mass reaches top_p;
 ties broken by token id so the result is deterministic), then renormalization.
 Greedy rows get a point mass at the argmax (lowest id among equal maxima); `point_mass` writes
-such a law as one-hot rows wherever a dense distribution is expected.
+such a law as one-hot rows wherever a dense distribution is expected. Structured outputs
+restrict the logits to a grammar's allowed tokens first (`restrict`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,20 @@ def filtered_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
     if not params.any_greedy:
         return probs
     return torch.where(params.greedy[:, None], point_mass(logits.argmax(-1), logits.shape[-1]), probs)
+
+
+def restrict(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured outputs' law: logits [..., V] with -inf wherever bitmask [..., ceil(V/32)] int32
+    (bit j of word w allows token 32w + j) disallows, before temperature / top-k / top-p; so the
+    law is the filtered law of the allowed tokens, renormalised, and a greedy row's token the
+    argmax over them. Every row must allow at least one token."""
+    return logits.masked_fill(~allowed_tokens(bitmask, logits.shape[-1]), float("-inf"))
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., ceil(V/32)] int32 bitmask (bit j of word w: token 32w + j) -> [..., V] bool."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    return ((bitmask[..., None] >> bits) & 1).flatten(-2)[..., :vocab_size].bool()
 
 
 def point_mass(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from common.transfer import device_tensor, to_device
 from sampling.batch import VerifyBatch
+from sampling.filtering import restrict
 from sampling.params import SamplingParams, SamplingTensors
 from sampling.rejection import Backend, RejectionSampler
 from sampling.rng import RequestRng, batch_uniforms
@@ -117,7 +118,9 @@ class Verifier:
         batch.positions[b]: the sequence position of row b's first target token, for a row
         verified by coupling (its proposal must be a point mass); a coupled tree row's context
         at depth d draws with the uniform of position positions[b] + d (siblings share it: only
-        one of them is ever emitted)."""
+        one of them is ever emitted). batch.bitmask (structured outputs) restricts every
+        context's logits to the grammar's tokens there, so q is the masked law both where the
+        target draws and where the drafts are tested: a forbidden draft has q = 0."""
         batch.check()
         rows = batch.rows
         if len(params) != rows or len(rngs) != rows:
@@ -131,6 +134,8 @@ class Verifier:
         logits = logits.to(self.device) if batch.chain else logits.to(self.device, torch.float32)
         if logits.dim() != 3 or tuple(logits.shape[:2]) != (rows, batch.nodes + 1):
             raise ValueError(f"target_logits: expected shape [{rows}, {batch.nodes + 1}, Vt], got {list(logits.shape)}")
+        if batch.bitmask is not None:  # structured outputs: q is the law of the allowed tokens
+            logits = restrict(logits, to_device(batch.bitmask, self.device))
         coupled = _coupled(params, batch.positions, rows)
         if batch.chain:
             return self._verify_chain(batch, logits, params, rngs, coupled)

@@ -125,3 +125,23 @@ def test_the_memory_share_is_this_process_s_own(monkeypatch, free_gib, held_gib,
     assert message.startswith(f"--gpu-memory-utilization {fraction}: 50.0 GiB of cuda's 100.0 GiB, but "), message
     assert expected in message and "--kv-cache-bytes" in message and "\n" not in message
     assert ModelSpec(device="cuda", kv_cache_bytes=GIB).kv_budget() == GIB  # an explicit pool is not a share
+
+
+def test_generate_with_a_json_schema_file(nodes, capsys, tmp_path):
+    _, prefill, _ = nodes
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    args = ["generate", "--prefill-addr", f"127.0.0.1:{prefill.port}", "--greedy", "--max-new-tokens", "64"]
+    assert cli.main([*args, "--json-schema", str(path), "x = "]) == 0
+    printed = capsys.readouterr().out
+    text, _, tail = printed.rpartition("\n[finished: ")
+    assert tail.startswith("stop]") and isinstance(json.loads(text)["ok"], bool)
+    with pytest.raises(SystemExit):  # two constraints at once
+        cli.main([*args, "--json-schema", str(path), "--regex", "a+", "x = "])
+    assert "at most one" in capsys.readouterr().err

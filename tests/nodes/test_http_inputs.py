@@ -189,7 +189,7 @@ FIELDS = [
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
     "stop", "stop_token_ids", "stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "best_of",
     "suffix", "user", "presence_penalty", "frequency_penalty", "logit_bias", "num_speculative_tokens",
-    "draft_candidates", "tools", "response_format",
+    "draft_candidates", "tools", "response_format", "structured_outputs",
 ]  # fmt: skip
 TEXT = st.text(
     st.characters(codec=None, exclude_categories=()) | st.sampled_from(["\ud800", "\udfff", "\x00", "é", "𝄞"]),

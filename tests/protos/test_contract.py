@@ -10,7 +10,7 @@ from tests.protos.factory import CONTRACT
 def test_fingerprint_is_stable():
     # A literal: changing how the fingerprint is computed breaks every deployed peer.
     contract = Contract(4, 2, (3, 0), "t", "d", (KvTensorSpec(torch.float16, (2, SEQ, 8)),))
-    assert contract.fingerprint() == "sha256:c6b252f8f9ecf6efb72a63425eb670de1834ba46e103ead8e32a234ec5f29ad7"
+    assert contract.fingerprint() == "sha256:51092dd6929c17f6efd03c7d29cee33b06d0353b18022e22703c9d5c0334db4b"
 
 
 def test_every_component_changes_the_fingerprint():
@@ -24,6 +24,7 @@ def test_every_component_changes_the_fingerprint():
         {"draft_model": "other"},
         {"kv_layout": (KvTensorSpec(torch.float32, (2, SEQ, 4)),) * 2},
         {"kv_layout": ()},
+        {"grammar_engine": "xgrammar/0"},
     ]
     prints = {dataclasses.replace(CONTRACT, **change).fingerprint() for change in changes}
     assert base not in prints and len(prints) == len(changes)

@@ -397,3 +397,17 @@ def test_fuzzed_messages(monkeypatch, encoding, k, seed, mutations):
         assert result and all(v.field and v.expected and v.actual for v in result)
     if not mutations:
         assert isinstance(result, DecodeInput)
+
+
+def test_structured_output_is_checked_at_the_decode_boundary():
+    request = valid_request()
+    request.structured_output.json_schema = '{"type": "object",  "properties": {"b": {}, "a": {}}}'
+    result = validate_decode_request(request, RECEIVER)
+    assert isinstance(result, DecodeInput)
+    # compact JSON, the key order kept (a schema's grammar emits properties in that order)
+    assert result.constraint.value == '{"type":"object","properties":{"b":{},"a":{}}}'
+    request.structured_output.json_schema = "[]"
+    v = only(request, "structured_output.json_schema", Code.INVALID_ARGUMENT)
+    assert v.actual == "list"
+    request.structured_output.json_object = False
+    only(request, "structured_output.json_object", Code.INVALID_ARGUMENT)
