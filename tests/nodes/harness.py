@@ -154,9 +154,7 @@ def generate_many_verifiers(
     tree_samplers = tree_samplers or [None] * len(samplers)
     if memoize:
         pair = memoized(pair)
-    prefill = PrefillEngine(
-        pair, PrefillConfig(spec=SpeculativeConfig(method=method, draft_law=law), device=device)
-    )
+    prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(method=method, draft_law=law), device=device))
     decodes = [
         DecodeEngine(
             pair,
