@@ -57,10 +57,13 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 def target_fingerprint(target: LlamaCausalLM) -> str:
-    """What binds a head to its target: the target's weights' digest and shape (not its dtype:
+    """What binds a head to its target: the target's file digest, its shape, and the values of
+    its first embedding rows rounded to bfloat16 (the file digest reads headers only; bfloat16:
     a head trained in float32 serves a bfloat16 target of the same weights)."""
     c = target.config
-    return digest_of(target.source_digest, c.model_type, str(c.vocab_size), str(c.hidden_size), str(c.num_layers))
+    rows = target.module.model.embed_tokens.weight[:16].detach().to(torch.bfloat16).view(torch.int16).cpu()
+    dims = (c.model_type, str(c.vocab_size), str(c.hidden_size), str(c.num_layers))
+    return digest_of(target.source_digest, *dims, rows.numpy().tobytes())
 
 
 @dataclass(frozen=True)
