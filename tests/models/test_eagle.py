@@ -5,6 +5,7 @@ its target, and training resumes to the same weights."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -111,7 +112,8 @@ def test_loss_falls(target_dir, tmp_path):
 
 
 def _train(target, out, *extra: str) -> int:
-    return cli.main(["train-draft", "--kind", "eagle", "--target-model", str(target), "--out", str(out), *SMALL, *extra])
+    argv = ["train-draft", "--kind", "eagle", "--target-model", str(target), "--out", str(out)]
+    return cli.main([*argv, *SMALL, *extra])
 
 
 def test_cli_trains_evaluates_and_resumes_to_the_same_head(target_dir, tmp_path, capsys):
@@ -122,7 +124,7 @@ def test_cli_trains_evaluates_and_resumes_to_the_same_head(target_dir, tmp_path,
     report = json.loads((whole / "eval.json").read_text())
     for law in ("T=0", "T=0.7"):
         rates = report[law]["per_position"]
-        assert len(rates) == 6 and all(0 <= b <= a <= 1 for a, b in zip(rates, rates[1:], strict=False))
+        assert len(rates) == 6 and all(0 <= b <= a <= 1 for a, b in itertools.pairwise(rates))
         assert report[law]["mean_accepted"][-1] == pytest.approx(sum(rates))
     shutil.copytree(whole, resumed)
     distill.checkpoint_path(resumed, 6).unlink()  # as if stopped after step 3
@@ -169,5 +171,3 @@ def test_bad_node_flags_are_the_parsers_error(head_dir, target_dir, capsys, meth
         with pytest.raises(SystemExit) as exit_info:
             main(["--speculative-method", method, *draft, *extra])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
-
-
