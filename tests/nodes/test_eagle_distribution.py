@@ -7,8 +7,9 @@ from the decode node's own head (caught up from the verify pass's features) wher
 correction. The same requests verified by the biased sampler must be caught.
 
 Sizes: point-mass drafts 1,200 requests in make test (the biased verifier's p-value underflows
-to 0.0 at 2,000, the real one's was 0.17 there); the stochastic law at 20,000 under make
-test-slow (its biased verifier: p = 2e-4 at 2,000). Bins: every 3-token prefix expected >= 5
+to 0.0 at 1,200 and 2,000; the real one's was 0.65 and 0.17); the stochastic law at 20,000 under
+make test-slow (its biased verifier: p = 2e-4 at 2,000, 4e-25 at 20,000; the real one 0.69;
+point masses at 20,000: 0.095). Bins: every 3-token prefix expected >= 5
 times plus one for the rest; alpha = 1e-6."""
 
 from __future__ import annotations

@@ -165,9 +165,9 @@ def test_a_head_that_is_not_the_decode_nodes_is_refused_and_counted(dirs):
         assert decode.engine.load == 0
 
 
-@pytest.mark.parametrize("fault", ["shape", "dtype", "missing"])
-def test_a_broken_head_kv_is_refused_naming_the_field(dirs, fault):
-    """The head's tensors are the last two of kv_cache, checked against the contract's layout."""
+def test_a_broken_head_kv_is_refused_naming_the_field(dirs):
+    """The head's tensors are the last two of kv_cache, checked against the contract's layout:
+    one position short, another dtype, or missing -> INVALID_ARGUMENT naming the field."""
     pair = loaded(dirs)
     engine = PrefillEngine(pair, PrefillConfig(spec=spec("eagle")))
     checked = engine.check(
@@ -175,23 +175,27 @@ def test_a_broken_head_kv_is_refused_naming_the_field(dirs, fault):
             prompt_token_ids=PROMPT, num_speculative_tokens=K, sampling=pdspec_pb2.SamplingParams(max_new_tokens=4)
         )
     )
-    request = engine.prefill(checked).decode_request
-    last = len(request.kv_cache) - 1
+    valid = engine.prefill(checked).decode_request
+    last = len(valid.kv_cache) - 1
     assert last == len(pair.target.kv_layout) + 1  # the target's tensors, then the head's keys and values
-    head = request.kv_cache[last]
-    if fault == "shape":
-        head.shape[1] -= 1  # one position short
-        head.data = head.data[: len(head.data) * head.shape[1] // (head.shape[1] + 1)]
-    elif fault == "dtype":
-        head.data_type = pdspec_pb2.TensorPB.FP16
-        head.data = head.data[: len(head.data) // 2]
-    else:
-        del request.kv_cache[last]
-    with decode_node(pair) as decode:
-        with grpc.insecure_channel(f"127.0.0.1:{decode.port}") as channel, pytest.raises(grpc.RpcError) as error:
-            list(DecodeStub(channel).Decode(request, timeout=10))
-        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        fields = dict(field_violations(error.value))
-        named = "kv_cache" if fault == "missing" else f"kv_cache[{last}]"
-        assert any(field.split(".")[0] == named for field in fields), fields
+    with decode_node(pair) as decode, grpc.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
+        for fault in ("shape", "dtype", "missing"):
+            request = pdspec_pb2.DecodeRequest()
+            request.CopyFrom(valid)
+            head = request.kv_cache[last]
+            if fault == "shape":
+                head.shape[1] -= 1
+                head.data = head.data[: len(head.data) * head.shape[1] // (head.shape[1] + 1)]
+            elif fault == "dtype":
+                head.data_type = pdspec_pb2.TensorPB.FP16
+                head.data = head.data[: len(head.data) // 2]
+            else:
+                del request.kv_cache[last]
+            with pytest.raises(grpc.RpcError) as error:
+                list(DecodeStub(channel).Decode(request, timeout=10))
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fault
+            fields = dict(field_violations(error.value))
+            named = "kv_cache" if fault == "missing" else f"kv_cache[{last}]"
+            assert any(field.split(".")[0] == named for field in fields), (fault, fields)
         assert decode.engine.load == 0
+        assert [t.token_ids for t in DecodeStub(channel).Decode(valid, timeout=10)]  # the node still serves
