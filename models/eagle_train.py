@@ -33,6 +33,7 @@ from models.distill import (
     DenseCausal,
     Targets,
     batch_indices,
+    collate,
     lr_at,
     mixed_precision,
     pad_batch,
@@ -55,7 +56,6 @@ class HeadSettings:
     passes: int = 3  # training-time test: pass 0 on the target's features, then the head's own
     feature_weight: float = 0.1
     decay: float = 0.8  # weight of pass j: decay ** j
-    layers: int = 1  # models/distill.lr_at reads the settings' fields by name; one decoder layer
 
 
 def target_features(
@@ -195,8 +195,6 @@ def init_head(config: EagleConfig, target: LlamaForCausalLM) -> EagleHead:
 
 def collate_features(items: Sequence[Targets], features: Sequence[torch.Tensor], device):
     """tokens, mask, ids, probs as models/distill.collate, and features [B, T, F + H] float32."""
-    from models.distill import collate
-
     tokens, mask, ids, probs = collate(items, device)
     out = torch.zeros(*tokens.shape, features[0].shape[-1], dtype=torch.float32)
     for row, f in enumerate(features):
