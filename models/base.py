@@ -33,6 +33,7 @@ class State:
     # A target serving a hidden-state draft (models/eagle.py): its fused-layer hidden states
     # [n, F] of the LAST n consumed tokens, appended by every forward until the draft takes them.
     features: torch.Tensor | None = None
+    keeps_features: bool = True  # False: a request that never drafts (the decode node's K = 0)
     rides: State | None = None  # the draft's state shipped with this one (models/pair.py)
 
 
@@ -161,6 +162,8 @@ def close_span(state: State, keep: Sequence[int]) -> tuple[list[int], list[int]]
 
 def append_features(state: State, features: torch.Tensor) -> None:
     """A forward's hidden states of the state's new tokens [n, F], after those it holds."""
+    if not state.keeps_features:
+        return
     state.features = features if state.features is None else torch.cat([state.features, features])
 
 

@@ -76,6 +76,12 @@ def test_features_come_from_the_forward_and_follow_the_kept_path(pair, paged):
     assert_fp_close(state.features, dense[0], model_roundings(module))
     target.truncate(state, 9)
     assert_fp_close(state.features, dense[0, :9], model_roundings(module))
+    plain = target.empty_state()  # a request that never drafts keeps none
+    plain.keeps_features = False
+    target.reserve(plain, 16)
+    target.extend_last([plain, state], [tokens, [1]])
+    assert plain.features is None and state.features.shape == (10, 96)
+    target.release(plain)
     target.release(state)
 
 
