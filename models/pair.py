@@ -53,11 +53,6 @@ class ModelPair:
         """The KV tensors a request ships: the target's, then the draft's where it ships."""
         return self.target.kv_layout + (self.draft.kv_layout if self.draft_ships else ())
 
-    def _split(self, index: int) -> tuple[bool, int]:
-        """KV tensor `index` of the pair's layout: (the draft's?, its index in that model's)."""
-        own = len(self.target.kv_layout)
-        return index >= own, index - own if index >= own else index
-
     def export_state(self, state: State, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The pair's KV tensors of a target state (and the draft state riding on it); with
         `out` (host tensors of those shapes: a shared-memory segment's), written into them."""
@@ -80,11 +75,12 @@ class ModelPair:
         return state
 
     def import_chunk(self, state: State, index: int, offset: int, data: Buffer | torch.Tensor) -> None:
-        drafts, own = self._split(index)
-        if drafts:
-            self.draft.import_chunk(state.rides, own, offset, data)
+        """Bytes of KV tensor `index` of the pair's layout: the target's, or past them the draft's."""
+        own = len(self.target.kv_layout)
+        if index < own:
+            self.target.import_chunk(state, index, offset, data)
         else:
-            self.target.import_chunk(state, own, offset, data)
+            self.draft.import_chunk(state.rides, index - own, offset, data)
 
     def finish_import(self, state: State) -> None:
         self.target.finish_import(state)
