@@ -86,13 +86,24 @@ gpu-check:
 		--upgrade --target $(GPU_SITE) .whl/*.whl; fi
 	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) bench/gpu_check.py $(GPU_CHECK_FLAGS)
 
-# Distil a 2-layer draft of SmolLM2-135M-Instruct from its own generations (CPU; DEVICE=cuda on a
-# GPU). The weights land in .drafts/, are never committed, and nothing in the repository needs them.
+# Distil a draft of SmolLM2-135M-Instruct from its own generations (CPU; DEVICE=cuda on a GPU).
+# KIND=layers (default): a 2-layer draft, into .drafts/smollm2-135m-instruct-2l. KIND=eagle: a
+# hidden-state head (one layer on the target's low/mid/high-layer states, 8192 draft ids), into
+# .drafts/smollm2-135m-instruct-eagle; `make train-draft KIND=eagle DEVICE=cuda` is the one-GPU run.
+# Nothing in the repository needs these weights unless a head is committed under drafts/.
 DEVICE ?= cpu
-TRAIN_DRAFT_FLAGS ?= --layers 2 --tokens 20000 --max-new-tokens 128 --steps 500 --batch 8 --eval
+KIND ?= layers
+TRAIN_DRAFT_OUT_layers := 2l
+TRAIN_DRAFT_OUT_eagle := eagle
+TRAIN_DRAFT_FLAGS_layers_cpu := --layers 2 --tokens 20000 --max-new-tokens 128 --steps 500 --batch 8 --eval
+TRAIN_DRAFT_FLAGS_layers_cuda := $(TRAIN_DRAFT_FLAGS_layers_cpu)
+TRAIN_DRAFT_FLAGS_eagle_cpu := --tokens 20000 --max-new-tokens 128 --steps 600 --batch 8 --eval --seed 0
+TRAIN_DRAFT_FLAGS_eagle_cuda := --tokens 300000 --max-new-tokens 256 --gen-batch 512 --batch 64 --steps 4000 \
+	--lr 1e-3 --save-every 500 --log-every 50 --eval --seed 0
+TRAIN_DRAFT_FLAGS ?= $(TRAIN_DRAFT_FLAGS_$(KIND)_$(firstword $(subst :, ,$(DEVICE))))
 train-draft: $(STAMP)
-	$(PY) -m pdspec.cli train-draft --target-model smollm2-135m-instruct --out .drafts/smollm2-135m-instruct-2l \
-		--device $(DEVICE) $(TRAIN_DRAFT_FLAGS)
+	$(PY) -m pdspec.cli train-draft --kind $(KIND) --target-model smollm2-135m-instruct \
+		--out .drafts/smollm2-135m-instruct-$(TRAIN_DRAFT_OUT_$(KIND)) --device $(DEVICE) $(TRAIN_DRAFT_FLAGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

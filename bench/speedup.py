@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import concurrently, environment, markdown_table, method_nodes, report
+from models.eagle import is_eagle_dir
 from pdspec.client import Client
 from pdspec.modelspec import ModelSpec
 
@@ -148,6 +149,8 @@ def main() -> None:
     configs = [Config.parse(c) for c in args.configs.split(",")]
     if configs[0].k != 0:
         configs.insert(0, Config("draft", 0))
+    if args.draft_model and is_eagle_dir(args.draft_model):  # a head serves eagle and hybrid only: K = 0 on eagle
+        configs = [Config("eagle", 0) if c.k == 0 else c for c in configs]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     models = ModelSpec(

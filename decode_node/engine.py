@@ -138,11 +138,11 @@ class DecodeEngine:
 
     def import_chunk(self, request: Request, index: int, offset: int, data: Buffer) -> None:
         """Bytes [offset, offset + len(data)) of KV tensor `index` of a reserved streamed request."""
-        self.pair.target.import_chunk(request.seq.target_state, index, offset, data)
+        self.pair.import_chunk(request.seq.target_state, index, offset, data)  # the pair's layout
 
     def imported(self, request: Request) -> None:
         """Every KV byte of a streamed request written: it is admitted when a slot is free."""
-        self.pair.target.finish_import(request.seq.target_state)
+        self.pair.finish_import(request.seq.target_state)
         with self._lock:
             request.imported = True
             self._lock.notify()
@@ -310,7 +310,7 @@ class DecodeEngine:
             return True  # reserved already, or admitted only to be retired at once
         if not all(model.can_reserve(request.kv_need) for _, model in self._kv_models()):
             return False
-        seq.target_state = claim_state(self.pair.target, request)
+        seq.target_state = claim_state(self.pair, request)
         request.reserved.set()
         return True
 
@@ -349,7 +349,7 @@ class DecodeEngine:
         if request.preemptions:
             recompute(self.pair.target, seq.history, seq.target_state)
         elif not request.streamed:
-            import_tensors(self.pair.target, seq.target_state, data.kv_cache)
+            import_tensors(self.pair, seq.target_state, data.kv_cache)
         self.policy.admit(seq)
         if seq.k:  # a request that never drafts needs no drafting state
             self.proposer.start([seq], [request.kv_need])

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 from decode_node.request import Request
 from models.base import CausalLM, State
+from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
 
 
@@ -92,14 +93,18 @@ class Fairness:
             self.metrics.preemptions.labels("decode").inc()
 
 
-def claim_state(target: CausalLM, request: Request) -> State:
+def claim_state(pair: ModelPair, request: Request) -> State:
     """The target state a request's turn reserves KV for (all it may need; the caller checked
-    `can_reserve`): its prompt's, for the prefill node's KV (`begin_import`), or, preempted, an
-    empty one that admission fills (`recompute`)."""
+    `can_reserve`): its prompt's, for the prefill node's KV (the pair's `begin_import`: a
+    hidden-state head's state rides on it), or, preempted, an empty one that admission fills
+    (`recompute`). A request that never drafts (K = 0) keeps no hidden states."""
+    target = pair.target
     if not request.preemptions:
-        return target.begin_import(request.seq.prompt, request.kv_need)
-    state = target.empty_state()
-    target.reserve(state, request.kv_need)
+        state = pair.begin_import(request.seq.prompt, request.kv_need)
+    else:
+        state = target.empty_state()
+        target.reserve(state, request.kv_need)
+    state.keeps_features = request.seq.k > 0
     return state
 
 

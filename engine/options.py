@@ -5,7 +5,7 @@ from, so that no caller imports them out of the modules that implement them (doc
 from sampling.tree import MAX_TREE_NODES
 
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa")  # engine/paged_lm.py: attention_backend
-SPECULATIVE_METHODS = ("draft", "prompt-lookup", "hybrid")  # engine/proposers.py: proposer_for
+SPECULATIVE_METHODS = ("draft", "prompt-lookup", "hybrid", "eagle")  # engine/proposers.py: proposer_for
 ADAPTIVE_K = ("auto", "on", "off")  # engine/spec_config.py: SpeculativeConfig.adaptive
 ASYNC_SCHEDULING = ("auto", "on", "off")  # decode_node/engine.py: DecodeConfig.pipelined
 # Tokens per row of a forward replayed from a CUDA graph (engine/paged_lm.py), at most: the

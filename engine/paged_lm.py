@@ -24,9 +24,18 @@ from common.transfer import HostCopy, pinned, to_device, to_host_async
 from engine.device import on_device
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
 from engine.options import ATTENTION_BACKENDS, MAX_GRAPH_QUERIES
-from models.base import CausalLM, ChunkedImport, State, batch_positions, close_span, end_import, live_rows
+from models.base import (
+    CausalLM,
+    ChunkedImport,
+    State,
+    batch_positions,
+    close_span,
+    drop_features,
+    end_import,
+    live_rows,
+)
 from models.kv_import import KvWriter, gather
-from models.llama import EAGER, LlamaCausalLM, compiled_pointwise
+from models.llama import EAGER, LlamaCausalLM, compiled_pointwise, keep_row_features
 from models.pair import ModelPair
 from protos.kv_layout import kv_bytes, layout_order
 
@@ -105,6 +114,7 @@ class _Graph:
         )
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
+        self.features: torch.Tensor | None = None  # [rows * queries, F]: a target feeding a hidden-state draft
 
     def fill(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, meta: BatchMeta) -> None:
         """Host inputs in one copy each (queued: the host does not wait); `tokens` may already
@@ -162,6 +172,11 @@ class PagedLlamaLM(ChunkedImport):
         self.eos_token_ids, self.kv_layout = model.eos_token_ids, model.kv_layout
         self.dtype, self.device = model.dtype, model.device
         self._storages = layout_order(pool.kv)  # [slots, Hkv, D] views of the pool, in layout order
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The layers whose outputs each forward keeps on its states (the wrapped model's)."""
+        return self.model.feature_layers
 
     @property
     def positions_computed(self) -> int:
@@ -245,11 +260,12 @@ class PagedLlamaLM(ChunkedImport):
         uniform = dense and lengths[0] <= MAX_GRAPH_QUERIES and len(seqs) <= MAX_GRAPH_ROWS
         with torch.inference_mode():
             if self.graphs and uniform and not last_only and after_layer is None:
-                logits = self._replay(seqs, lengths, tokens, positions, seq_lens, masks)
+                replayed = self._replay(seqs, lengths, tokens, positions, seq_lens, masks)
+                logits = keep_row_features(states, lengths, replayed)
             else:
                 meta = batch_meta(self.pool, seqs, lengths, window, tree_masks=masks).to(self.device)
                 logits_at = to_device(torch.tensor(lengths).cumsum(0) - 1, self.device) if last_only else None
-                logits = self.module(
+                out = self.module(
                     to_device(tokens, self.device),
                     to_device(positions, self.device),
                     self._store(meta, dense),
@@ -258,7 +274,9 @@ class PagedLlamaLM(ChunkedImport):
                     seq_lens=to_device(seq_lens, self.device),
                     ops=self.ops,
                     after_layer=after_layer,
-                ).float()
+                    features_at=self.feature_layers,
+                )
+                logits = keep_row_features(states, lengths, out).float()
         for seq, n in zip(seqs, lengths, strict=True):
             seq.length += n
         self.model.positions_computed += len(tokens)
@@ -285,7 +303,10 @@ class PagedLlamaLM(ChunkedImport):
             meta,
         )
         graph.graph.replay()
-        return graph.logits[: real * queries].to(torch.float32, copy=True)  # the next replay reuses the buffer
+        logits = graph.logits[: real * queries].to(torch.float32, copy=True)  # the next replay reuses the buffer
+        if graph.features is None:
+            return logits
+        return logits, graph.features[: real * queries].clone()
 
     def _capture(self, rows: int, queries: int, width: int) -> _Graph:
         """Capture with scratch-only inputs (padding everywhere): capture and its warm-up
@@ -300,6 +321,7 @@ class PagedLlamaLM(ChunkedImport):
                 num_layers=self.num_layers,
                 seq_lens=graph.seq_lens,
                 ops=self.ops,
+                features_at=self.feature_layers,
             )
 
         with _CAPTURE_LOCK:  # one capture at a time per process (two nodes in a test share one)
@@ -310,7 +332,8 @@ class PagedLlamaLM(ChunkedImport):
             torch.cuda.current_stream(self.device).wait_stream(side)
             # thread_local: other threads (the other node, gRPC) may use the GPU meanwhile
             with torch.cuda.graph(graph.graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-                graph.logits = forward()
+                out = forward()
+            graph.logits, graph.features = out if isinstance(out, tuple) else (out, None)
         return graph
 
     def capture_graphs(self, batch: int, context: int, queries: Sequence[int]) -> int:
@@ -388,6 +411,7 @@ class PagedLlamaLM(ChunkedImport):
         if not 0 <= length <= len(state.tokens):
             raise ValueError(f"length: expected 0..{len(state.tokens)}, got {length}")
         state.kv.length = length  # rejected slots stay reserved and are overwritten next step
+        drop_features(state, length)
         del state.tokens[length:]
 
     supports_trees = True

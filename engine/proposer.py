@@ -8,8 +8,9 @@ parents, and the law each node was drawn from (None = point mass). One class per
   of the target, the built-in n-gram pair's), its ids mapped through d2t;
 * `engine/prompt_lookup.PromptLookupProposer`: the continuation of an earlier occurrence of
   the context's suffix, no weights, a point mass;
+* `engine/eagle.EagleProposer`: a hidden-state head reading the target's features (chains);
 * `engine/proposers.HybridProposer`: prompt lookup where the context has a match, the draft
-  model elsewhere.
+  model (or the head) elsewhere.
 `engine/proposers.proposer_for` builds a node's from its `SpeculativeConfig`. A benchmark or
 test proposer (an oracle at a known acceptance rate) is its own class behind the same protocol.
 
@@ -60,6 +61,7 @@ class Row(Protocol):
     history: list[int]  # prompt + every emitted token; the last one is what the proposal follows
     lookup: ContextIndex | None  # the same tokens, indexed (prompt lookup)
     draft_state: State | None  # consumed a prefix of history (the draft model)
+    target_state: State | None  # the target's (a hidden-state head reads the features it holds)
     params: SamplingParams
     rng: RequestRng
     candidates: int  # per tree node (1: a chain)

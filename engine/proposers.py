@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.draft_model import DraftModelProposer
+from engine.eagle import EAGLE, EagleProposer
 from engine.prompt_lookup import ContextIndex, chains_to_tree
 from engine.proposer import Plan, Proposer, Row
 from engine.spec_config import SpeculativeConfig
 from models.pair import ModelPair
-from sampling.proposal import LOOKUP, NO_PROPOSAL, Proposal
+from sampling.proposal import DRAFT, LOOKUP, NO_PROPOSAL, Proposal
 from sampling.tree import MAX_TREE_NODES
 
 HYBRID = "hybrid"
@@ -64,7 +65,7 @@ class HybridProposer:
     uses_draft = True
     match_driven = False  # a row without a match still drafts, with the model
 
-    def __init__(self, lookup: PromptLookupProposer, model: DraftModelProposer) -> None:
+    def __init__(self, lookup: PromptLookupProposer, model: DraftModelProposer | EagleProposer) -> None:
         self.lookup, self.model = lookup, model
 
     @property
@@ -89,7 +90,7 @@ class HybridProposer:
 
     def plan(self, rows: Sequence[Row], caps: Sequence[int]) -> list[Plan]:
         return [
-            found if found.limit else Plan(self.model.method, cap)
+            found if found.limit else Plan(DRAFT, cap)  # either model: a forward per depth
             for found, cap in zip(self.lookup.plan(rows, caps), caps, strict=True)
         ]
 
@@ -112,10 +113,26 @@ class HybridProposer:
 
 
 def proposer_for(pair: ModelPair, spec: SpeculativeConfig, device: str) -> Proposer:
-    """A node's proposer for its config: d2t on the node's device, trees where both models mask by tree."""
+    """A node's proposer for its config: d2t on the node's device, trees where both models mask
+    by tree; a hidden-state head (a draft that ships its state) drafts for `eagle` and `hybrid`."""
     trees = pair.supports_trees
     lookup = PromptLookupProposer((spec.prompt_lookup_min, spec.prompt_lookup_max), trees, spec.max_tree_nodes)
+    check_method(spec.method, pair.draft_ships)
     if spec.method == LOOKUP:
         return lookup
-    model = DraftModelProposer(pair.draft, pair.d2t.to(device), spec.draft_law, trees, spec.max_tree_nodes)
+    if pair.draft_ships:
+        model = EagleProposer(pair.draft, pair.d2t.to(device), spec.draft_law, spec.max_tree_nodes)
+    else:
+        model = DraftModelProposer(pair.draft, pair.d2t.to(device), spec.draft_law, trees, spec.max_tree_nodes)
     return model if spec.method == model.method else HybridProposer(lookup, model)
+
+
+def check_method(method: str, head: bool) -> None:
+    """`eagle` needs a hidden-state head as the draft; with a head, only `eagle` and `hybrid`
+    (its KV ships with every request). ValueError naming the flag."""
+    if method == EAGLE and not head:
+        raise ValueError("speculative_method: 'eagle' expects --draft-model DIR with a hidden-state head (eagle.json)")
+    if head and method not in (EAGLE, HYBRID):
+        raise ValueError(
+            f"speculative_method: the draft is a hidden-state head: expected 'eagle' or 'hybrid', got {method!r}"
+        )

@@ -45,7 +45,7 @@ class SpeculativeConfig:
     def adaptive(self) -> bool:
         """Whether each step picks each request's K (else every step drafts the request's K)."""
         if self.adaptive_k == "auto":
-            return self.method != "draft"
+            return self.method not in ("draft", "eagle")
         return self.adaptive_k == "on"
 
     def candidates(self, trees: bool) -> int:

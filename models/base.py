@@ -30,6 +30,11 @@ class State:
     kv: object = None  # backend-specific cache; None for the n-gram models
     tree: TreeSpan | None = None  # an open tree of candidate tokens after the history (extend_tree)
     importing: KvWriter | None = None  # between begin_import and finish_import (or release)
+    # A target serving a hidden-state draft (models/eagle.py): its fused-layer hidden states
+    # [n, F] of the LAST n consumed tokens, appended by every forward until the draft takes them.
+    features: torch.Tensor | None = None
+    keeps_features: bool = True  # False: a request that never drafts (the decode node's K = 0)
+    rides: State | None = None  # the draft's state shipped with this one (models/pair.py)
 
 
 @dataclass
@@ -148,10 +153,33 @@ def close_span(state: State, keep: Sequence[int]) -> tuple[list[int], list[int]]
     tree.check_path(keep)
     src = [tree.base + t for t in keep]
     dst = list(range(tree.base, tree.base + len(keep)))
+    keep_features(state, [*range(tree.base), *src])
     state.tokens[tree.base :] = [state.tokens[s] for s in src]
     state.tree = None
     moves = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
     return [s for s, _ in moves], [d for _, d in moves]
+
+
+def append_features(state: State, features: torch.Tensor) -> None:
+    """A forward's hidden states of the state's new tokens [n, F], after those it holds."""
+    if not state.keeps_features:
+        return
+    state.features = features if state.features is None else torch.cat([state.features, features])
+
+
+def keep_features(state: State, kept: Sequence[int]) -> None:
+    """The features of the consumed tokens that stay, where the state's tokens become
+    tokens[kept] (ascending; its tail is what the features cover)."""
+    if state.features is None:
+        return
+    start = len(state.tokens) - len(state.features)  # the first token a feature row covers
+    rows = [i - start for i in kept if i >= start]
+    state.features = state.features[torch.tensor(rows, dtype=torch.int64, device=state.features.device)]
+
+
+def drop_features(state: State, length: int) -> None:
+    """Truncating the state to `length` tokens drops the features of the tokens past it."""
+    keep_features(state, range(length))
 
 
 class Tokenizer(Protocol):

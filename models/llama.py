@@ -30,7 +30,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.base import ChunkedImport, GrowingKv, State, batch_positions, close_span, end_import, live_rows
+from models.base import (
+    ChunkedImport,
+    GrowingKv,
+    State,
+    append_features,
+    batch_positions,
+    close_span,
+    drop_features,
+    end_import,
+    live_rows,
+)
 from models.kv_import import KvWriter
 from protos.kv_layout import layer_kv_layout, layout_order
 
@@ -425,25 +435,33 @@ class LlamaForCausalLM(nn.Module):
         seq_lens: torch.Tensor | None = None,
         ops: Pointwise = EAGER,
         after_layer: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
+        features_at: Sequence[int] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions [N] int64 -> logits [len(logits_at) or N, V] in the model dtype.
 
         num_layers: run only the first N decoder layers, then the final norm and head (a
         layer-skip draft sharing these weights). seq_lens [N]: each token's row length after
         this forward; only dynamic-NTK RoPE reads it (None = one row). after_layer(i): called
-        once layer i's keys and values are in `kv` (the prefill node ships them meanwhile)."""
+        once layer i's keys and values are in `kv` (the prefill node ships them meanwhile).
+        features_at: layers whose outputs (the residual stream after them) are returned too, as
+        (logits, features [N, len(features_at) * hidden]) for every token: a hidden-state draft's
+        input (models/eagle.py), from this same pass."""
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         x = self.model.embed_tokens(tokens)  # [N, hidden]
         cos, sin = rope_cos_sin(self.config, self.inv_freq, positions, seq_lens, x.dtype)
         residual = None
+        captured = {}
         for index, layer in enumerate(layers):
             x, residual = layer(index, x, residual, cos, sin, kv, ops)
+            if index in features_at:
+                captured[index] = x + residual  # [N, hidden]
             if after_layer is not None:
                 after_layer(index)
         if logits_at is not None:  # the head is the largest matmul: only where logits are needed
             x, residual = x[logits_at], residual[logits_at]
         norm = self.model.norm
-        return self.lm_head(ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0])  # [M, V]
+        logits = self.lm_head(ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0])  # [M, V]
+        return (logits, torch.cat([captured[i] for i in features_at], dim=-1)) if features_at else logits
 
 
 # ---------------------------------------------------------------------------------------
@@ -581,6 +599,9 @@ class LlamaCausalLM(ChunkedImport, GrowingKv):
         self.name = f"llama:{config.model_type}:{source_digest}:{dtype_name}{skip}"
         self.kv_layout = layer_kv_layout(self.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
         self.positions_computed = 0  # tokens run through the forward; KV import must not add to it
+        # Layers whose outputs every forward keeps on its states (State.features): set when the
+        # pair's draft reads the target's hidden states (models/eagle.py).
+        self.feature_layers: tuple[int, ...] = ()
 
     def _new_cache(self, capacity: int) -> ContiguousKv:
         c = self.config
@@ -606,9 +627,16 @@ class LlamaCausalLM(ChunkedImport, GrowingKv):
         masks = None if meta.masks is None else [None if m is None else m.to(self.device) for m in meta.masks]
         batch = ContiguousBatch([s.kv for s in states], lengths, window, masks)
         with torch.inference_mode():
-            logits = self.module(
-                tokens, positions, batch, logits_at=logits_at, num_layers=self.num_layers, seq_lens=seq_lens
-            ).float()
+            out = self.module(
+                tokens,
+                positions,
+                batch,
+                logits_at=logits_at,
+                num_layers=self.num_layers,
+                seq_lens=seq_lens,
+                features_at=self.feature_layers,
+            )
+        logits = keep_row_features(states, lengths, out).float()
         batch.commit()
         self.positions_computed += len(tokens)
         for state, row in zip(states, ids, strict=True):
@@ -646,6 +674,7 @@ class LlamaCausalLM(ChunkedImport, GrowingKv):
         if not 0 <= length <= len(state.tokens):
             raise ValueError(f"length: expected 0..{len(state.tokens)}, got {length}")
         state.kv.length = length  # the slots past it are overwritten by the next extend
+        drop_features(state, length)
         del state.tokens[length:]
 
     supports_trees = True
@@ -683,6 +712,19 @@ class LlamaCausalLM(ChunkedImport, GrowingKv):
     def finish_import(self, state: State) -> None:
         end_import(state)
         state.kv.length = len(state.tokens)
+
+
+def keep_row_features(
+    states: Sequence[State], lengths: Sequence[int], out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """A forward's logits; where it captured hidden states (`features_at`), each row's [n_r, F]
+    appended to its state first (the rows' tokens in `lengths`, flattened in order)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits, features = out
+    for state, part in zip(states, features.split(list(lengths)), strict=True):
+        append_features(state, part)
+    return logits
 
 
 def layer_skip_draft(target: LlamaCausalLM, draft_layers: int) -> LlamaCausalLM:

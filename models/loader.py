@@ -118,7 +118,30 @@ def load_pair(
             f"models: expected both --target-model and --draft-model (or --draft-layers), got "
             f"target={target_model} draft={draft_model}"
         )
+    from models.eagle import is_eagle_dir
+
+    if is_eagle_dir(draft_model):
+        target, tokenizer = load_model(target_model, dtype=resolved, device=device)
+        return eagle_pair(target, tokenizer, draft_model)
     return _checkpoint_pair(target_model, draft_model, dtype=resolved, device=device)
+
+
+def eagle_pair(target, tokenizer, head_dir: Path | str) -> ModelPair:
+    """A target and the hidden-state head in `head_dir` (models/eagle.py), bound to it: the
+    target's forwards keep the head's feature layers on their states from now on."""
+    from models.eagle import load_eagle
+    from models.llama import LlamaCausalLM
+    from sampling import DraftToTargetMap
+
+    if not isinstance(target, LlamaCausalLM):
+        raise ValueError(
+            "draft_model: a hidden-state head expects a Llama-family target (own model code), "
+            f"got {type(target).__name__}"
+        )
+    draft = load_eagle(head_dir, target)
+    target.feature_layers = draft.feature_layers
+    d2t = DraftToTargetMap(torch.tensor(draft.config.d2t, dtype=torch.int64), target.vocab_size)
+    return ModelPair(target, draft, d2t, tokenizer)
 
 
 def _checkpoint_pair(target_spec, draft_spec, *, dtype: torch.dtype, device: str) -> ModelPair:

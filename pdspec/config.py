@@ -123,7 +123,8 @@ def node_parser(role: str, port: int, metrics_port: int, description: str) -> En
         choices=SPECULATIVE_METHODS,
         help="what proposes drafts: the draft model; prompt-lookup, the continuation of an earlier occurrence of "
         "the context's last n tokens (no weights, exact as a point mass); hybrid, prompt lookup where the context "
-        "has a match and the draft model elsewhere",
+        "has a match and the draft model elsewhere; eagle, a hidden-state head (--draft-model DIR with eagle.json) "
+        "reading the target's own hidden states (hybrid with such a head: the head where lookup has no match)",
     )
     parser.add_flag(
         "--prompt-lookup-min", default=2, type=int, help="prompt lookup: shortest suffix n-gram that may match"
@@ -182,10 +183,13 @@ def request_limits(args: argparse.Namespace):
 
 def node_options(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> dict:
     """The node-config fields that come from the shared flags (`parser` reports bad ones)."""
+    from engine.proposers import check_method
+    from models.eagle import is_eagle_dir
     from pdspec.modelspec import ModelSpec
     from pdspec.tls import ServerTls
 
     try:
+        check_method(args.speculative_method, bool(args.draft_model) and is_eagle_dir(args.draft_model))
         tls = ServerTls.from_args(args.tls_cert, args.tls_key, args.tls_ca)
         models = ModelSpec(
             corpus=args.corpus,

