@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from models.eagle import EagleConfig, EagleHead, save_eagle
@@ -11,6 +12,16 @@ from models.loader import load_model
 from tests.models.hf_fixtures import make_family_checkpoint
 
 VOCAB = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A 32-wide model is all per-op overhead: a second thread only adds wake-ups (imported by
+    the modules that run these models, where it applies to each test)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def sharp_init(model) -> None:

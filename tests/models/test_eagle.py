@@ -17,21 +17,12 @@ from models import distill, eagle_train
 from models.eagle import load_eagle, target_fingerprint
 from models.loader import load_model, load_pair
 from pdspec import cli
-from tests.models.eagle_fixtures import head_ids, make_head_dir, make_target
+from tests.models.eagle_fixtures import head_ids, make_head_dir, make_target, one_thread  # noqa: F401 (autouse)
 from tests.tolerance import assert_fp_close, model_roundings
 
 pytest.importorskip("transformers")
 
 SMALL = ["--tokens", "200", "--max-new-tokens", "16", "--batch", "4", "--top-k", "8", "--lr", "3e-3", "--seed", "3"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A 32-wide model is all per-op overhead: a second thread only adds wake-ups."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,11 @@ from __future__ import annotations
 import collections
 
 import pytest
-import torch
 from scipy import stats
 
 from models.loader import load_pair
 from sampling.proposal import DraftLaw
-from tests.models.eagle_fixtures import make_head_dir, make_target
+from tests.models.eagle_fixtures import make_head_dir, make_target, one_thread  # noqa: F401 (autouse)
 from tests.nodes.harness import exact_joint, generate_many_verifiers
 from tests.sampling.helpers import ALPHA, biased_rejection_sample
 
@@ -31,14 +30,6 @@ pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 SAMPLES = 20_000
 TOKENS = 3
 PROMPT = [3, 7, 11, 2, 5]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

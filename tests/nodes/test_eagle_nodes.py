@@ -28,19 +28,11 @@ from prefill_node.server import run_server as run_prefill
 from protos import pdspec_pb2
 from protos.rpc import DecodeStub
 from protos.status import field_violations
-from tests.models.eagle_fixtures import make_head_dir, make_target
+from tests.models.eagle_fixtures import make_head_dir, make_target, one_thread  # noqa: F401 (autouse)
 from tests.nodes.conftest import wait_until
 
 PROMPT = [3, 7, 11, 2, 5, 8, 13, 4, 20, 6, 3, 7, 11, 2, 15, 16, 10, 12, 19, 21]
 K = 3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
