@@ -244,14 +244,15 @@ class DecodeEngine:
                     admitted.append(request)
             if not admitted and all(map(self.fairness.paused, self._active)):
                 self._lock.wait(0.01)  # nothing can start or run now (no slot or KV, no reader): do not spin
+            # Counted as running from the moment they leave the queue: submit's bound holds meanwhile.
+            self._active += admitted
         for request in admitted:
             try:
                 self._admit(request)
-            except Exception as err:
+            except Exception as err:  # it leaves at this step's sweep
                 log.exception("admission failed")
                 self._emit(request, Event([], finished=True, error=f"admission failed: {err}"))
                 request.cancelled.set()
-        self._active += admitted
         inflight = self._inflight
         unread = set() if inflight is None else set(inflight.requests)  # each brings one token when read
         live = []
@@ -332,10 +333,10 @@ class DecodeEngine:
             self._drain()  # the device may still write their KV
         for request in victims:
             if not request.cancelled.is_set():  # else it finished in the step just read
-                self._active.remove(request)
-                self._retire(request, preempted=True)
-                self.fairness.preempted(request)
-                with self._lock:
+                with self._lock:  # from running to waiting in one move: submit's bound holds
+                    self._active.remove(request)
+                    self._retire(request, preempted=True)
+                    self.fairness.preempted(request)
                     self._pending.append(request)
 
     # -- internals --------------------------------------------------------------------

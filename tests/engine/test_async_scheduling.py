@@ -6,6 +6,7 @@ matches. On the CPU (the same code path as a GPU's, with no overlap to gain)."""
 
 from __future__ import annotations
 
+import threading
 from concurrent import futures
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 from decode_node.engine import DecodeConfig, DecodeEngine
+from decode_node.request import QueueFull
 from engine.adaptive import StepCosts
 from engine.paged_lm import paged_pair
 from engine.spec_config import SpeculativeConfig
@@ -323,3 +325,42 @@ def test_calibrate_prices_verifies_against_queued_k0_steps(pair):
     costs = engine.calibrate()
     assert len(costs.verify) == 5 and costs.verify[0] == 1.0 and list(costs.verify) == sorted(costs.verify)
     assert pair.target.pool.used_blocks == 0
+
+
+def test_a_request_being_admitted_counts_against_the_queue_bound(pair):
+    """While the engine thread admits a request (out of the queue, not yet stepped) it still
+    counts: max_batch 1 + max_queue 1 hold two requests, never three."""
+    prefill = PrefillEngine(pair, PrefillConfig())
+    decode = DecodeEngine(pair, DecodeConfig(max_batch=1, max_queue=1))
+    receiver = Receiver.from_contract(pair.contract(), 4)
+
+    def submit(prompt: int):
+        (prefilled,) = prefill.prefill_many([prefill.check(request(prompt, max_new=2))])
+        wire = pdspec_pb2.DecodeRequest.FromString(prefilled.decode_request.SerializeToString())
+        return decode.submit(validate_decode_request(wire, receiver))
+
+    inside, release, admit = threading.Event(), threading.Event(), decode._admit
+
+    def held(req):  # the engine thread, inside admission
+        inside.set()
+        release.wait(30)
+        admit(req)
+
+    decode._admit = held
+    submit(5)
+    stepping = threading.Thread(target=decode.step)
+    stepping.start()
+    try:
+        assert inside.wait(30)
+        assert decode.load == 1
+        submit(6)  # the one queue place
+        with pytest.raises(QueueFull):
+            submit(7)
+    finally:
+        release.set()
+        stepping.join(30)
+    for _ in range(50):
+        decode.step()
+        if not decode.load:
+            break
+    assert not decode.load and pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
