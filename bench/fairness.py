@@ -76,11 +76,11 @@ def long_streams(pair, streams: int, canaries: int, deadline: float, after_steps
                     "done_s": round(time.monotonic() - started, 3) if code == "OK" else None,
                 }
             )
-        generated = sum(len(r.tokens) for r in longs)
+        generated = sum(len(r.stream.tokens) for r in longs)
         for reader in longs:
             reader.cancel()
         for reader in longs:
-            reader.join(10)
+            reader.thread.join(10)
         return {
             "preempt_after_steps": after_steps,
             "canaries": rows,
