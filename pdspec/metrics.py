@@ -158,7 +158,8 @@ class NodeMetrics:
         )
         self.engine_step = Histogram(
             "pdspec_engine_step_seconds",
-            "Wall time of one decode engine step over its running batch (drafting, verify, emitting)",
+            "Wall time of one engine step (prefill: prompt chunks, first tokens, proposals, KV exports;"
+            " decode: drafting, verify, emitting)",
             ["node"],
             buckets=FAST_BUCKETS,
             registry=reg,

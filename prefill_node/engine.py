@@ -15,6 +15,7 @@ import enum
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import abc
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from engine.proposers import proposer_for
 from engine.sequence import Sequence
 from engine.spec_config import SpeculativeConfig
 from models.pair import ModelPair
+from pdspec.metrics import NodeMetrics
 from protos import pdspec_pb2
 from protos.constraint import Constraint
 from protos.proposal import ProposalEncoding, choose_encoding, encode_proposal
@@ -141,9 +143,10 @@ IDLE_EXIT_S = 5.0  # the engine thread ends after this long without a job (a sub
 
 
 class PrefillEngine:
-    def __init__(self, pair: ModelPair, config: PrefillConfig) -> None:
+    def __init__(self, pair: ModelPair, config: PrefillConfig, metrics: NodeMetrics | None = None) -> None:
         self.pair = pair
         self.config = config
+        self.metrics = metrics  # the node's: each step's wall time
         self.contract = pair.contract()
         self.fingerprint = self.contract.fingerprint()
         self.max_speculative_tokens = config.spec.max_speculative_tokens  # lowered to the peer's
@@ -344,6 +347,7 @@ class PrefillEngine:
                                 return
                     self._wake.clear()
                     continue
+                started = time.perf_counter()
                 try:
                     with self._lock:
                         self._step()
@@ -353,6 +357,8 @@ class PrefillEngine:
                         jobs = list(self._jobs)
                     for job in jobs:
                         self._end(job, error=err)
+                if self.metrics:
+                    self.metrics.engine_step.labels("prefill").observe(time.perf_counter() - started)
 
     def _sequence(self, checked: Checked) -> Sequence:
         """A checked request's sequence (every default resolved in `check`)."""

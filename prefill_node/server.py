@@ -319,10 +319,10 @@ def run_server(
         attention=config.models.attention_backend,
         capture=config.models.graph_capture(max_k=config.engine.spec.max_speculative_tokens, decode=False),
     )
-    engine = PrefillEngine(pair, config.engine)
+    metrics = NodeMetrics("prefill", config.engine.spec.max_speculative_tokens, VALIDATED_FIELDS)
+    engine = PrefillEngine(pair, config.engine, metrics)
     rows = max(config.engine.spec.max_speculative_tokens, config.engine.spec.max_tree_nodes if engine.trees else 0)
     limit = config.max_message_bytes or max_message_bytes(engine.contract, rows, config.engine.limits.max_prompt_tokens)
-    metrics = NodeMetrics("prefill", config.engine.spec.max_speculative_tokens, VALIDATED_FIELDS)
     shell = NodeShell(
         SERVICE,
         host=config.host,

@@ -269,6 +269,10 @@ def test_metrics_equal_the_sums_of_request_stats(pair):
         steps = sum(totals["verify"].values()) + len(plain.token_ids) - 1
         assert after[("pdspec_engine_step_seconds_count", (("node", "decode"),))] == steps
         assert after[("pdspec_engine_step_seconds_sum", (("node", "decode"),))] > 0
+        # The prefill node's steps: a request's first token, then its proposal and export (the
+        # same step when it has no proposal to make).
+        prefill_steps = scrape(prefill.metrics_port)[("pdspec_engine_step_seconds_count", (("node", "prefill"),))]
+        assert 13 <= prefill_steps <= 2 * 13
         for label in ("true", "false"):
             key = (("do_sample", label),)
             assert after[("pdspec_spec_verify_steps_total", key)] == totals["verify"][label]
