@@ -26,23 +26,17 @@ Writes bench/results/api_speedup-*.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import environment, free_port, markdown_table, percentile, report
+from bench.harness import environment, markdown_table, percentile, report, served
 
 PROMPTS = [Path(__file__).resolve().parent / "prompts" / name for name in ("speedup.jsonl", "complete.jsonl")]
 GROUNDED = ("summarise", "code", "extract", "qa")
@@ -98,47 +92,6 @@ def load_prompts(paths: list[Path], completions: bool = False) -> list[Prompt]:
     return out
 
 
-@contextlib.contextmanager
-def serving(device: str, flags: list[str], timeout: float) -> Iterator[tuple[int, subprocess.Popen]]:
-    """`pdspec serve` on free loopback ports; yields (HTTP port, the launcher process) once the
-    HTTP API answers /v1/models."""
-    ports = {name: free_port() for name in ("prefill", "decode", "prefill-metrics", "decode-metrics", "http")}
-    command = [
-        sys.executable,
-        "-m",
-        "pdspec.local",
-        "--device",
-        device,
-        *("--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"])),
-        *("--prefill-metrics-port", str(ports["prefill-metrics"])),
-        *("--decode-metrics-port", str(ports["decode-metrics"]), "--http-port", str(ports["http"])),
-        *flags,
-    ]
-    print("#", " ".join(command), flush=True)
-    process = subprocess.Popen(command, start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                raise SystemExit(f"pdspec serve exited with {process.returncode}")
-            url = f"http://127.0.0.1:{ports['http']}/v1/models"
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as answer:
-                if answer.status == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the HTTP API did not answer within {timeout:.0f} s")
-            time.sleep(0.5)
-        yield ports["http"], process
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
 def one_request(client, model: str, prompt: Prompt, setting: str, temperature: float, max_tokens: int, seed: int):
     """One streamed request; returns (latency, TTFT, tokens, text)."""
     extra = {"num_speculative_tokens": 0} if setting == "k0" else {}
@@ -177,8 +130,8 @@ def run(args: argparse.Namespace) -> tuple[list[Outcome], dict]:
     groups = sorted({p.group for p in prompts})
     outcomes: list[Outcome] = []
     cells: dict[tuple[str, float, int], Cell] = {}
-    with serving(args.device, args.serve_flag, args.start_timeout) as (port, _):
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    with served(args.device, args.serve_flag, args.start_timeout) as nodes:
+        client = OpenAI(base_url=f"http://127.0.0.1:{nodes.http}/v1", api_key="none", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
         workers = ThreadPoolExecutor(max(args.batches))
         for temperature in args.temperatures:

@@ -19,6 +19,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -713,6 +714,69 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+class Served(NamedTuple):
+    http: int  # the OpenAI API's port
+    ports: dict[str, int]  # prefill, decode, prefill-metrics, decode-metrics, http
+    process: subprocess.Popen
+
+
+@contextlib.contextmanager
+def served(device: str, flags: list[str], timeout: float) -> Iterator[Served]:
+    """`pdspec serve` (both nodes and the HTTP API, as a user starts them) on free loopback
+    ports, once the HTTP API answers /v1/models."""
+    import urllib.request
+
+    ports = {name: free_port() for name in ("prefill", "decode", "prefill-metrics", "decode-metrics", "http")}
+    command = [
+        sys.executable,
+        "-m",
+        "pdspec.local",
+        "--device",
+        device,
+        *("--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"])),
+        *("--prefill-metrics-port", str(ports["prefill-metrics"])),
+        *("--decode-metrics-port", str(ports["decode-metrics"]), "--http-port", str(ports["http"])),
+        *flags,
+    ]
+    print("#", " ".join(command), flush=True)
+    process = subprocess.Popen(command, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise SystemExit(f"pdspec serve exited with {process.returncode}")
+            url = f"http://{LOOPBACK}:{ports['http']}/v1/models"
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as answer:
+                if answer.status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the HTTP API did not answer within {timeout:.0f} s")
+            time.sleep(0.5)
+        yield Served(ports["http"], ports, process)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A node's /metrics: {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{LOOPBACK}:{port}/metrics", timeout=5).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def node_command(role: str, port: int, metrics_port: int, *flags: str) -> list[str]:
