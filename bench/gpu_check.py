@@ -72,7 +72,7 @@ BENCH = ROOT / "bench"
 BUDGETS = {
     # 513 kernel cases and the statistics tests' CuPy halves: 15 s measured
     "kernel-tests": 60,
-    # 29 engine and node tests on a 3-layer Llama, and three runs of 20,000 seeded requests
+    # the engine, node and hidden-state head tests on a 3-layer Llama, and three runs of 20,000 seeded requests
     # through the engines (the distribution tests: 176-220 s each, host-bound): run on 4 pytest
     # workers when pytest-xdist is there, so the three run side by side, ~240 s
     "engine-tests": 270,
@@ -98,7 +98,11 @@ TESTS = {
         "tests/sampling/test_rejection_stats.py",
         "tests/sampling/test_tree_stats.py",
     ],
-    "engine-tests": ["tests/engine/test_gpu_nodes.py", "tests/engine/test_gpu_distribution.py"],
+    "engine-tests": [
+        "tests/engine/test_gpu_nodes.py",
+        "tests/engine/test_gpu_distribution.py",
+        "tests/engine/test_gpu_eagle.py",
+    ],
     "serve-tests": ["tests/nodes/test_gpu_serve.py"],
 }
 # Where the GGUF travels in two parts (run's working tree holds 64 MiB a call): part a alone in
