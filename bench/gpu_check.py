@@ -111,7 +111,13 @@ CARRY = ROOT / ".carry"
 STASH = Path("/tmp/pdspec-carry")  # call 1 copies part a here
 PART_A_BYTES = 56 << 20
 WHEELS = ROOT / ".whl"
-WHEEL_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+WHEEL_PLATFORMS = [
+    "manylinux_2_31_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+]
 
 
 @dataclass

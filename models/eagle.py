@@ -276,11 +276,13 @@ def head_weights(head: EagleHead) -> dict[str, torch.Tensor]:
 
 
 def save_eagle(head: EagleHead, out: Path) -> None:
-    """eagle.json + model.safetensors (float32): what `load_eagle` reads."""
+    """eagle.json + model.safetensors: what `load_eagle` reads. The weights are stored in
+    bfloat16, the dtype GPU targets serve them in (half the bytes of float32: a head for a
+    small target fits the repository); a float32 target upcasts them."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file(head_weights(head), out / EAGLE_WEIGHTS)
+    save_file({name: t.to(torch.bfloat16) for name, t in head_weights(head).items()}, out / EAGLE_WEIGHTS)
     (out / EAGLE_CONFIG).write_text(json.dumps(asdict(head.config), indent=1) + "\n")
 
 

@@ -173,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
 def _train_eagle(args, parser, target, tokenizer, train_items, held_out, checkpoint, began) -> int:
     """`--kind eagle`: the head trained on the target's features (features.pt beside data.pt)."""
     import torch
+    from safetensors.torch import load_file
 
     from models import distill, eagle_train
-    from models.eagle import EagleConfig, save_eagle
+    from models.eagle import EAGLE_WEIGHTS, EagleConfig, save_eagle
 
     stops = [*tokenizer.eos_token_ids, *target.eos_token_ids]
     size = min(args.draft_vocab or EAGLE_VOCAB, target.vocab_size)
@@ -219,6 +220,8 @@ def _train_eagle(args, parser, target, tokenizer, train_items, held_out, checkpo
     except distill.CheckpointMismatch as err:
         parser.error(f"--resume: {err}")
     save_eagle(head, args.out)
+    # evaluate what was saved: the weights rounded to the file's bfloat16
+    head.load_state_dict(load_file(args.out / EAGLE_WEIGHTS))
     print(f"head saved to {args.out} (serve it with --speculative-method eagle --draft-model {args.out})", flush=True)
     if args.eval:
         held = [item.tokens for item in held_out]
