@@ -29,7 +29,7 @@ step's status, seconds, budget and figures) and the steps' output as .log beside
 bench/results or --out, again after every step.
 
 On the GPU machine (one H100 or H200, no network, its python3 with CUDA torch and CuPy; `run`'s
-working tree at most 64 MiB a call, the tracked tree ~22 MiB with the shipped draft head), after
+working tree at most 64 MiB a call, the tracked tree ~3 MiB, ~22 with a draft head shipped), after
 `make gpu-prep` here (add BASE=<rev> for a baseline tree), four calls, each within 30 s of the
 last (while the machine is warm, /tmp keeps what the earlier ones left):
   call 1, carry [".carry/gguf.1"]:  make gpu-stash
@@ -115,8 +115,9 @@ TESTS = {
     "eagle-tests": ["tests/engine/test_gpu_eagle.py"],
     "serve-tests": ["tests/nodes/test_gpu_serve.py"],
 }
-# Where the GGUF (94 MiB) travels in parts (run's working tree holds 64 MiB a call, ~22 MiB of
-# it the tracked tree): one part a call, the last with the wheels (~17 MiB) and a baseline tree.
+# Where the GGUF (94 MiB) travels in parts (run's working tree holds 64 MiB a call, the tracked
+# tree ~3 MiB of it, ~22 with a draft head shipped): one part a call, the last with the wheels
+# (~17 MiB) and a baseline tree.
 CARRY = ROOT / ".carry"
 STASH = Path("/tmp/pdspec-carry")  # the stash calls copy their parts here
 PART_BYTES = 40 << 20
