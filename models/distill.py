@@ -12,7 +12,9 @@
   transformers' AutoModelForCausalLM both load.
 
 Training forwards use models/llama.py's module on dense [B, T] batches through `DenseCausal`,
-a KV store that attends causally within each row and keeps nothing.
+a KV store that attends causally within each row and keeps nothing; generation runs the same
+module over all rows in lockstep through `LockstepKv` (a dense cache: one forward a step for the
+whole batch, the host out of the loop but for the drawn tokens).
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models.base import CausalLM
-from models.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+from models.llama import LlamaCausalLM, LlamaConfig, LlamaForCausalLM, rope_inv_freq
 from models.tokenizer import TextTokenizer
 
 MAGPIE_PLACEHOLDER = "\x00MAGPIE\x00"  # stands for the message text when cutting the chat template
@@ -99,42 +100,95 @@ def magpie_prefix_suffix(tokenizer: TextTokenizer) -> tuple[list[int], list[int]
     return tokenizer.encode(prefix), tokenizer.encode(suffix)
 
 
-def _sample(logits: torch.Tensor, generator: torch.Generator) -> list[int]:
-    """One T = 1 draw per row of logits [R, V], on the logits' device with `generator` (made on
-    that device: a seed gives the same draws on the same kind of device); one host read."""
-    probs = torch.softmax(logits.float(), dim=-1)  # [R, V]
-    return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+class LockstepKv:
+    """A `KvStore` for B rows decoded in lockstep: every forward adds the same count n of new
+    tokens to every row, at slots `length..length+n` of a [B, Hkv, S, D] cache per layer.
+    Prompts are left-padded, so a row's real tokens are contiguous and end at the same slot as
+    every other row's; `valid [B, S]` marks the slots that hold real tokens. A padding query
+    attends to itself only (its output is never read; it keeps every row finite)."""
+
+    def __init__(self, module: LlamaForCausalLM, batch: int, slots: int) -> None:
+        c = module.config
+        weight = module.lm_head.weight
+        shape = (c.num_layers, batch, c.num_kv_heads, slots, c.head_dim)
+        self.keys = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        self.values = torch.zeros_like(self.keys)
+        self.valid = torch.zeros(batch, slots, dtype=torch.bool, device=weight.device)
+        self.window = c.sliding_window
+        self.length = 0  # slots written by the forwards that have ended
+        self.mask: torch.Tensor | None = None  # [B, 1, n, length + n] for the forward in flight
+
+    def begin(self, valid: torch.Tensor) -> None:
+        """valid [B, n] bool: which of the n tokens the next forward adds are real."""
+        end = self.length + valid.shape[1]
+        self.valid[:, self.length : end] = valid
+        slot = torch.arange(end, device=valid.device)
+        query = slot[self.length :, None]  # [n, 1]
+        causal = (slot[None, :] <= query) & (self.window is None or (query - slot[None, :] < self.window))
+        mask = causal[None] & self.valid[:, None, :end]  # [B, n, end]
+        self.mask = (mask | (slot[None, None, :] == query[None])).unsqueeze(1)  # [B, 1, n, end]
+
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        b, n = self.valid.shape[0], self.mask.shape[2]
+        start, end = self.length, self.length + n
+        k, v = kv  # [B*n, Hkv, D] each
+        self.keys[layer, :, :, start:end] = k.view(b, n, *k.shape[1:]).transpose(1, 2)
+        self.values[layer, :, :, start:end] = v.view(b, n, *v.shape[1:]).transpose(1, 2)
+        q4 = q.view(b, n, *q.shape[1:]).transpose(1, 2)  # [B, Hq, n, D]
+        keys, values = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]  # [B, Hkv, end, D]
+        out = F.scaled_dot_product_attention(q4, keys, values, attn_mask=self.mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(q.shape)  # [B*n, Hq, D]
+
+    def forward(self, module: LlamaForCausalLM, tokens: torch.Tensor, positions: torch.Tensor, valid) -> torch.Tensor:
+        """tokens, positions [B, n] int64, valid [B, n] bool -> the logits after each row's last
+        token [B, V] (the module's dtype)."""
+        b, n = tokens.shape
+        self.begin(valid)
+        ends = torch.arange(1, b + 1, device=tokens.device) * n - 1
+        flat = positions.reshape(-1)
+        logits = module(tokens.reshape(-1), flat, self, logits_at=ends, seq_lens=flat + 1)
+        self.length += n
+        return logits
 
 
 def _continue(
-    target: CausalLM, prompts: list[list[int]], max_new: int, stop: set[int], generator: torch.Generator
+    module: LlamaForCausalLM, prompts: list[list[int]], max_new: int, stop: set[int], generator: torch.Generator
 ) -> list[list[int]]:
-    """Sample up to `max_new` tokens after each prompt: the prompts in one forward, then every
-    live row in one batched forward per step; a row ends after a stop id (kept in its output).
-    The rows' KV is reserved up front (a paged target's pool) and released at the end."""
-    states = [target.empty_state() for _ in prompts]
-    try:
-        for state, prompt in zip(states, prompts, strict=True):
-            target.reserve(state, len(prompt) + max_new)
-        last = target.extend_last(states, prompts)  # [R, V]
-        outputs: list[list[int]] = [[] for _ in prompts]
-        live = list(range(len(prompts)))
-        while live:
-            drawn = _sample(last, generator)
-            for row, token in zip(live, drawn, strict=True):
-                outputs[row].append(token)
-            live = [row for row in live if outputs[row][-1] not in stop and len(outputs[row]) < max_new]
-            if live:
-                rows = target.extend_batch([states[row] for row in live], [[outputs[row][-1]] for row in live])
-                last = torch.stack([r[-1] for r in rows])  # [R', V]
-        return outputs
-    finally:
-        for state in states:
-            target.release(state)
+    """Sample (T = 1) up to `max_new` tokens after each prompt: the left-padded prompts in one
+    forward, then one forward of every row per step (rows that ended keep stepping, unread, so
+    the batch keeps its shape); a row ends after a stop id (kept in its output). One host read a
+    step: the drawn tokens."""
+    device = module.lm_head.weight.device
+    width = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.int64)
+    valid = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.int64)
+        valid[row, width - len(prompt) :] = True
+    tokens, valid = tokens.to(device), valid.to(device)
+    positions = (valid.cumsum(1) - 1).clamp_min(0)  # [B, width]
+    cache = LockstepKv(module, len(prompts), width + max_new)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    live = set(range(len(prompts)))
+    with torch.inference_mode():
+        logits = cache.forward(module, tokens, positions, valid)  # [B, V]
+        position = positions[:, -1:] + 1  # [B, 1]
+        for step in range(max_new):
+            drawn = torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=generator)  # [B, 1]
+            for row, token in enumerate(drawn[:, 0].tolist()):
+                if row in live:
+                    outputs[row].append(token)
+                    if token in stop:
+                        live.discard(row)
+            if not live or step == max_new - 1:
+                break
+            logits = cache.forward(module, drawn, position, torch.ones_like(drawn, dtype=torch.bool))
+            position = position + 1
+    return outputs
 
 
 def generate_samples(
-    target: CausalLM,
+    target: LlamaCausalLM,
     tokenizer: TextTokenizer,
     *,
     tokens: int,
@@ -147,8 +201,8 @@ def generate_samples(
     sequences. With a chat template: the template's user-turn prefix, a sampled user turn (at
     most `max_new_tokens`), the template's turn switch, a sampled answer (at most
     `max_new_tokens`). Without one: `max_new_tokens` sampled after BOS (or after one uniformly
-    drawn token when the model has no BOS). `target`: any CausalLM (on a GPU, the paged engine
-    batches the rows' attention); the draws run on its device."""
+    drawn token when the model has no BOS). `target`: a Llama-family model of models/llama.py,
+    its module run in lockstep over `batch` rows (`LockstepKv`); the draws run on its device."""
     device = torch.device(target.device)
     generator = torch.Generator(device=device).manual_seed(seed)
     stop = set(tokenizer.eos_token_ids) | set(target.eos_token_ids)
@@ -159,9 +213,9 @@ def generate_samples(
     while generated < tokens or len(samples) < min_samples:
         if template is not None:
             prefix, suffix = template
-            users = _continue(target, [list(prefix) for _ in range(batch)], max_new_tokens, stop, generator)
+            users = _continue(target.module, [list(prefix) for _ in range(batch)], max_new_tokens, stop, generator)
             prompts = [[*prefix, *[t for t in user if t not in stop], *suffix] for user in users]
-            answers = _continue(target, prompts, max_new_tokens, stop, generator)
+            answers = _continue(target.module, prompts, max_new_tokens, stop, generator)
             rows = [[*prompt, *answer] for prompt, answer in zip(prompts, answers, strict=True)]
             generated += sum(len(u) + len(a) for u, a in zip(users, answers, strict=True))
         else:
@@ -171,7 +225,7 @@ def generate_samples(
                 else [int(torch.randint(target.vocab_size, (1,), generator=generator, device=device))]
                 for _ in range(batch)
             ]
-            continuations = _continue(target, starts, max_new_tokens, stop, generator)
+            continuations = _continue(target.module, starts, max_new_tokens, stop, generator)
             rows = [[*start, *cont] for start, cont in zip(starts, continuations, strict=True)]
             generated += sum(len(c) for c in continuations)
         samples += rows
@@ -212,14 +266,14 @@ def target_distributions(
         tokens, _ = pad_batch(chunk, device)
         with torch.inference_mode():
             probs = torch.softmax(dense_logits(module, tokens).float(), dim=-1)  # [B, T, V]
-        for row, seq in enumerate(chunk):
-            row_probs = probs[row, : len(seq)].cpu()  # [T, V]
-            if top_k and top_k < row_probs.shape[-1]:
-                values, ids = row_probs.topk(top_k, dim=-1)  # [T, k], sorted: column 0 is the argmax
-                values = values / values.sum(-1, keepdim=True)
+            if top_k and top_k < probs.shape[-1]:  # on the device: the full law never crosses to the host
+                probs, ids = probs.topk(top_k, dim=-1)  # [B, T, k], sorted: column 0 is the argmax
+                probs = probs / probs.sum(-1, keepdim=True)
             else:
-                values, ids = row_probs, torch.arange(row_probs.shape[-1]).expand_as(row_probs)
-            out.append(Targets(list(seq), ids.to(torch.int32).contiguous(), values.contiguous()))
+                ids = torch.arange(probs.shape[-1], device=device).expand_as(probs)
+            probs, ids = probs.cpu(), ids.to(torch.int32).cpu()  # one copy a batch
+        for row, seq in enumerate(chunk):
+            out.append(Targets(list(seq), ids[row, : len(seq)].contiguous(), probs[row, : len(seq)].contiguous()))
     return out
 
 

@@ -266,13 +266,7 @@ def _data(args, target, tokenizer):
     print(f"generating {args.tokens} tokens with the target...", flush=True)
     started = time.perf_counter()
     samples = distill.generate_samples(
-        generator_model(
-            target,
-            tokenizer,
-            gen_batch=args.gen_batch,
-            max_new_tokens=args.max_new_tokens,
-            paged=target.device.type != "cpu",
-        ),
+        target,
         tokenizer,
         tokens=args.tokens,
         max_new_tokens=args.max_new_tokens,
@@ -306,22 +300,6 @@ def _data(args, target, tokenizer):
         path,
     )
     return train_items, held_out
-
-
-def generator_model(target, tokenizer, *, gen_batch: int, max_new_tokens: int, paged: bool):
-    """The model that generates the data. Paged (on a GPU): the target on a KV pool of its own
-    (the rows' attention in one batched kernel, as the nodes serve it; eager, so nothing
-    compiles), sized for `gen_batch` rows of the longest sequence a generation makes: the chat
-    template's text (or BOS) and two turns of `max_new_tokens`. Else the target itself."""
-    if not paged:
-        return target
-    from engine.paged_lm import PagedLlamaLM, pool_bytes_for
-    from models import distill
-
-    template = distill.magpie_prefix_suffix(tokenizer)
-    turns = 1 if template is None else len(template[0]) + len(template[1])
-    pool = pool_bytes_for(target, gen_batch, turns + 2 * max_new_tokens)
-    return PagedLlamaLM.with_pool(target, pool, eager=True)
 
 
 def _table(trained: dict, baseline: dict) -> str:

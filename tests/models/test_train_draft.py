@@ -249,22 +249,42 @@ def test_draft_vocabulary_keeps_stop_ids_then_the_most_frequent():
     assert ids.tolist() == [2, 5, 11]  # 11 always; then 2 (3 times) and 5 (3 times, tie by id)
 
 
-def test_generation_on_a_paged_pool_matches_and_frees_its_blocks(target):
-    """The GPU data path (the target on a paged KV pool sized by `generator_model`), run on the
-    CPU with a chat template, some turns running to their length: the same seeded generations as
-    the target alone, no reservation refused, and every block back in the pool."""
-    from pdspec.train_draft import generator_model
+def test_lockstep_generation_has_the_teacher_forced_logits(target):
+    """The generation cache (`LockstepKv`): left-padded prompts of different lengths, then steps
+    of every row at once; after each forward, each row's logits are those of its own sequence
+    run alone through the dense forward (a padding slot, or another row, leaking into a row's
+    attention moves them by O(1))."""
+    model, _ = load_model(target, dtype=torch.float32)
+    module = model.module
+    prompts = [[0, 5, 9, 11, 3], [0, 7], [0, 2, 2, 8]]
+    tokens = torch.zeros(3, 5, dtype=torch.int64)
+    valid = torch.zeros(3, 5, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        tokens[row, 5 - len(prompt) :] = torch.tensor(prompt)
+        valid[row, 5 - len(prompt) :] = True
+    cache = distill.LockstepKv(module, 3, 5 + 4)
+    with torch.inference_mode():
+        logits = cache.forward(module, tokens, (valid.cumsum(1) - 1).clamp_min(0), valid)
+        rows = [list(p) for p in prompts]
+        for step in range(4):
+            for row, seq in enumerate(rows):
+                want = distill.dense_logits(module, torch.tensor([seq]))[0, -1]
+                assert_fp_close(logits[row], want, model_roundings(module))
+            drawn = torch.tensor([[13 + step], [21], [30]])  # [B, 1]
+            for row, seq in enumerate(rows):
+                seq.append(int(drawn[row, 0]))
+            positions = torch.tensor([[len(seq) - 1] for seq in rows])
+            logits = cache.forward(module, drawn, positions, torch.ones(3, 1, dtype=torch.bool))
 
+
+def test_generation_is_seeded_and_keeps_stop_ids(target):
+    """The same seed gives the same samples; a row ends at its first stop id, which it keeps."""
     model, tokenizer = load_model(target, dtype=torch.float32)
-    tokenizer.tokenizer.chat_template = (
-        "{% for m in messages %}the cat {{ m['content'] }} </s> {% endfor %}"
-        "{% if add_generation_prompt %}dog{% endif %}"
-    )
-    chat = TextTokenizer(tokenizer.tokenizer, model.eos_token_ids)
-    paged = generator_model(model, chat, gen_batch=4, max_new_tokens=12, paged=True)
-    free = paged.pool.free_blocks
-    plain = distill.generate_samples(model, chat, tokens=80, max_new_tokens=12, batch=4, seed=7)
-    pooled = distill.generate_samples(paged, chat, tokens=80, max_new_tokens=12, batch=4, seed=7)
-    assert pooled == plain
-    assert max(len(sample) for sample in plain) == 2 + 12 + 2 + 12  # template, user turn, switch, answer
-    assert paged.pool.free_blocks == free
+    first = distill.generate_samples(model, tokenizer, tokens=80, max_new_tokens=12, batch=4, seed=7)
+    again = distill.generate_samples(model, tokenizer, tokens=80, max_new_tokens=12, batch=4, seed=7)
+    assert first == again
+    stops = set(tokenizer.eos_token_ids) | set(model.eos_token_ids)
+    for sample in first:
+        ends = [i for i, t in enumerate(sample[1:], 1) if t in stops]
+        assert not ends or ends == [len(sample) - 1]
+        assert 2 <= len(sample) <= 1 + 12
