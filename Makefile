@@ -99,7 +99,7 @@ TRAIN_DRAFT_OUT_eagle := eagle
 TRAIN_DRAFT_FLAGS_layers_cpu := --layers 2 --tokens 20000 --max-new-tokens 128 --steps 500 --batch 8 --eval
 TRAIN_DRAFT_FLAGS_layers_cuda := $(TRAIN_DRAFT_FLAGS_layers_cpu)
 TRAIN_DRAFT_FLAGS_eagle_cpu := --tokens 20000 --max-new-tokens 128 --steps 600 --batch 8 --eval --seed 0
-TRAIN_DRAFT_FLAGS_eagle_cuda := --tokens 1200000 --max-new-tokens 256 --gen-batch 512 --batch 64 --steps 1200 \
+TRAIN_DRAFT_FLAGS_eagle_cuda := --tokens 1000000 --max-new-tokens 256 --gen-batch 512 --batch 64 --steps 1000 \
 	--lr 1e-3 --save-every 200 --log-every 50 --eval --seed 0
 TRAIN_DRAFT_FLAGS ?= $(TRAIN_DRAFT_FLAGS_$(KIND)_$(firstword $(subst :, ,$(DEVICE))))
 train-draft: $(STAMP)
