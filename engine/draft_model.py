@@ -31,7 +31,7 @@ from common.transfer import to_device
 from engine.grammar import GrammarState
 from engine.proposer import Plan, Row, shape_nodes, tree_shape
 from models.base import CausalLM, State
-from sampling import DraftToTargetMap, SamplingTensors, point_mass, propose_candidates
+from sampling import DraftToTargetMap, SamplingTensors, point_mass, propose_candidates, stream_uniforms
 from sampling.proposal import DRAFT, NO_PROPOSAL, Drafted, DraftLaw, Proposal
 from sampling.tree import MAX_TREE_NODES
 
@@ -259,12 +259,7 @@ class DraftModelProposer:
         sizes = [shape_nodes(shape) for shape in shapes]
         device = self.d2t.d2t.device
         # One uniform per node of the full shape, for either law: a seeded stream never depends on the law.
-        uniforms = torch.stack(
-            [
-                torch.nn.functional.pad(row.rng.uniforms(n), (0, max(sizes) - n))
-                for row, n in zip(rows, sizes, strict=True)
-            ]
-        )
+        uniforms = stream_uniforms([row.rng for row in rows], sizes, device)  # [R, N_max], zero padded
         drafted = draft_tokens(
             self.draft,
             self.d2t,
@@ -273,7 +268,7 @@ class DraftModelProposer:
             [row.history[len(row.draft_state.tokens) :] for row in rows],  # catch up, ends with the last token
             shapes,
             SamplingTensors.from_params([row.params for row in rows], device),
-            to_device(uniforms, device),  # [R, N_max], zero padded
+            uniforms,
             [row.grammar for row in rows],
         )
         return [self.d2t.proposal(d.target_ids, d.parents, d.probs, source=DRAFT, drafted=d) for d in drafted]

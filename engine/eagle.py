@@ -21,10 +21,9 @@ from collections.abc import Sequence
 
 import torch
 
-from common.transfer import to_device
 from engine.proposer import Plan, Row
 from models.eagle import EagleDraft, HeadState
-from sampling import DraftToTargetMap, SamplingTensors, propose_candidates
+from sampling import DraftToTargetMap, SamplingTensors, propose_candidates, stream_uniforms
 from sampling.proposal import DRAFT, NO_PROPOSAL, Drafted, DraftLaw, Proposal
 from sampling.tree import MAX_TREE_NODES
 
@@ -105,13 +104,7 @@ class EagleProposer:
         device = self.d2t.d2t.device
         longest = max(depths)
         # One uniform per node, for either law: a seeded stream never depends on the law.
-        uniforms = torch.stack(
-            [
-                torch.nn.functional.pad(row.rng.uniforms(depth), (0, longest - depth))
-                for row, depth in zip(rows, depths, strict=True)
-            ]
-        )
-        uniforms = to_device(uniforms, device)  # [R, K_max], zero padded
+        uniforms = stream_uniforms([row.rng for row in rows], depths, device)  # [R, K_max], zero padded
         params = SamplingTensors.from_params([row.params for row in rows], device)
         committed = [len(state.tokens) for state in states]
         draft_ids: list[list[int]] = [[] for _ in rows]

@@ -45,7 +45,7 @@ from protos.validation import (
     check_structured_output,
 )
 from protos.wire import WireDecodeRequest, kv_manifest
-from sampling import RequestRng, SamplingParams, SamplingTensors, sample_target
+from sampling import RequestRng, SamplingParams, SamplingTensors, batch_uniforms, sample_target
 from sampling.filtering import restrict
 from sampling.logprobs import TokenLogprob, token_logprobs
 from sampling.proposal import DraftLaw, Proposal
@@ -442,7 +442,7 @@ class PrefillEngine:
         ends there ends."""
         device = self.config.device
         rows = SamplingTensors.from_params([job.seq.params for job in jobs], device)
-        uniforms = torch.stack([job.seq.rng.uniforms(1) for job in jobs]).to(device)  # [R, 1]
+        uniforms = batch_uniforms([job.seq.rng for job in jobs], 1, device)  # [R, 1]
         logits = logits.to(device)
         law = logits  # [R, V]; restricted to each constrained row's grammar (the masked law)
         masks = [job.seq.grammar.masks([], []) for job in jobs if job.seq.grammar is not None]  # [1, W] each

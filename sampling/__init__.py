@@ -17,7 +17,7 @@ from sampling.proposal import (
     propose_stochastic,
 )
 from sampling.rejection import RejectionSampler, rejection_sample, resolve_backend
-from sampling.rng import RequestRng, batch_uniforms
+from sampling.rng import RequestRng, batch_uniforms, position_uniforms, splitmix64_uniforms, stream_uniforms
 from sampling.target_sampler import TargetSample, sample_target
 from sampling.tree import MAX_TREE_NODES, TreeResult, tree_rejection_sample
 from sampling.verifier import StepStats, Verifier, VerifyResult
@@ -46,6 +46,7 @@ __all__ = [
     "batch_uniforms",
     "map_draft_probs_to_target",
     "point_mass",
+    "position_uniforms",
     "propose",
     "propose_candidates",
     "propose_point_mass",
@@ -53,5 +54,7 @@ __all__ = [
     "rejection_sample",
     "resolve_backend",
     "sample_target",
+    "splitmix64_uniforms",
+    "stream_uniforms",
     "tree_rejection_sample",
 ]

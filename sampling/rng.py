@@ -1,19 +1,31 @@
-"""Per-request random streams.
+"""Per-request random streams, counter-based, computed on the batch's device.
 
-Each request owns a CPU `torch.Generator`; a step draws its uniforms from it in a fixed
-order, so a seeded request yields the same tokens alone or anywhere in a batch of any
-size, on any device. Uniforms are drawn on the CPU (a handful per row per step) and
-moved to the batch's device once.
+Every uniform a request reads is SplitMix64 (Steele, Lea and Flood, 2014) evaluated at a
+counter under a 64-bit key derived from the seed: output number c + 1 of the generator
+started at the key, its top 24 bits over 2**24 (a float32 in [0, 1), exactly). Being a pure
+function of (key, counter), a whole batch's uniforms are one vectorised torch computation on
+the batch's device (`splitmix64_uniforms`): a step copies each row's key and counter to the
+device (a few int64 per row), never its uniforms, and draws nothing on the host. The values
+are bit for bit the same on any device (int64 arithmetic wraps mod 2**64 everywhere).
 
-Besides the stream, a request has one uniform per sequence position (`RequestRng.at`):
-SplitMix64 (Steele, Lea and Flood, 2014) evaluated at the position, keyed by the seed. A
-token drawn with its position's uniform does not depend on how many uniforms earlier
-steps consumed, which is what makes a point-mass proposal's verification independent of
-K (sampling/verifier.py).
+A request has two keys per stream name:
+* the stream (`RequestRng.uniforms`, `stream_uniforms`): a host-side counter of the uniforms
+  drawn so far; a step takes the next n and moves it by n. A seeded request yields the same
+  tokens alone or anywhere in a batch of any size, on any device, since a row's values
+  depend on its key and counter alone.
+* the positions (`RequestRng.at`, `position_uniforms`): one uniform per sequence position,
+  the counter being the position. A token drawn with its position's uniform does not depend on
+  how many uniforms earlier steps consumed, which is what makes a point-mass proposal's
+  verification independent of K (sampling/verifier.py).
+The keys are sha256 of "<seed>:<stream>" and "<seed>:<stream>/position". Two keys' sequences
+are one SplitMix64 sequence at offsets a random 64-bit distance apart (its increment is odd),
+so they share no value a request could reach.
 """
 
 from __future__ import annotations
 
+import array
+import functools
 import hashlib
 import secrets
 from collections.abc import Sequence
@@ -23,6 +35,7 @@ import torch
 from common.transfer import to_device
 
 _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment, the golden ratio in 64 bits
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # its finaliser's multipliers
 _MASK = (1 << 64) - 1
 
 
@@ -32,32 +45,80 @@ class RequestRng:
 
     def __init__(self, seed: int | None = None, stream: str = "") -> None:
         self.seed = secrets.randbits(63) if seed is None else seed
-        self._generator = torch.Generator(device="cpu")
-        self._generator.manual_seed(_derive(self.seed, stream) if stream else self.seed)
-        self._key = _derive(self.seed, f"{stream}/position")
+        self.key = _derive(self.seed, stream)  # unsigned 64-bit
+        self.position_key = _derive(self.seed, f"{stream}/position")
+        self.drawn = 0  # the stream's counter: uniforms taken so far
 
     def uniforms(self, n: int) -> torch.Tensor:
-        """[n] float32 in [0, 1)."""
-        return torch.rand(n, generator=self._generator, dtype=torch.float32)
+        """[n] float32 in [0, 1) on the host: the stream's next n uniforms."""
+        return stream_uniforms([self], [n])[0]
 
     def at(self, start: int, n: int) -> list[float]:
         """The n uniforms (float32 values in [0, 1)) of positions start..start+n-1; they do not
         depend on anything drawn before, from the stream or at other positions."""
-        return [_splitmix64(self._key, p) for p in range(start, start + n)]
+        return position_uniforms([self], torch.arange(start, start + n)[None])[0].tolist()
 
 
-def _splitmix64(key: int, position: int) -> float:
-    """SplitMix64's output number `position` + 1 from state `key`, as its top 24 bits over
-    2**24: a float32 in [0, 1), exactly."""
-    z = (key + (position + 1) * _GAMMA) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return ((z ^ (z >> 31)) >> 40) / (1 << 24)
+def splitmix64_uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output number positions[b, j] + 1 from state keys[b], as its top 24 bits
+    over 2**24: [B, n] float32 in [0, 1), each exactly k / 2**24.
+
+    keys [B] int64: unsigned 64-bit keys stored in two's complement; positions [B, n] int64,
+    counters in [0, 2**63); both on the device that computes. torch's int64 multiply and
+    add wrap mod 2**64 on the CPU and on CUDA, which is SplitMix64's arithmetic."""
+    return _output(keys[:, None] + (positions + 1) * _signed(_GAMMA))
 
 
-def _derive(seed: int, stream: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{stream}".encode()).digest()
-    return int.from_bytes(digest[:8], "little")
+def _output(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function of its states z (int64, any shape; consumed) as float32:
+    the top 24 bits of the mixed state over 2**24. The mix's last xorshift, z ^ (z >>> 31),
+    changes bits 0..32 only, so the top 24 bits are read before it. A step's cost is torch's
+    per-op dispatch (the tensors are tiny), hence in-place ops, each a single launch."""
+    for shift, multiplier in zip((30, 27), _MIX, strict=True):
+        z ^= _shr(z, shift)
+        z *= _signed(multiplier)
+    return _shr(z, 40).to(torch.float32).mul_(1 / (1 << 24))  # below 2**24, over a power of two: exact
+
+
+def stream_uniforms(
+    rngs: Sequence[RequestRng], counts: Sequence[int], device: torch.device | str = "cpu", width: int | None = None
+) -> torch.Tensor:
+    """[B, width] float32 on `device` (width: max(counts) unless given): row b is the next
+    counts[b] uniforms of rngs[b]'s stream, then zeros; each stream moves by its count (a
+    request listed twice draws twice, in row order). One host -> device copy of 2B int64."""
+    width = max(counts, default=0) if width is None else width
+    if len(counts) != len(rngs) or any(not 0 <= count <= width for count in counts):
+        raise ValueError(f"counts: expected {len(rngs)} values in [0, {width}], got {list(counts)}")
+    if not any(counts):
+        return torch.zeros(len(rngs), width, dtype=torch.float32, device=device)  # no draw, no copy
+    rows = array.array("Q")  # unsigned 64-bit, read as int64 with the same bits
+    for rng, count in zip(rngs, counts, strict=True):
+        # The state before the stream's next value: what splitmix64_uniforms adds up on the
+        # device, added here in python integers, so that a step adds one cached tensor to it.
+        rows.append((rng.key + (rng.drawn + 1) * _GAMMA) & _MASK)
+        rows.append(count)
+        rng.drawn += count
+    sent = to_device(_int64(rows).view(-1, 2), device)  # [B, 2]: state, count
+    column, steps = _columns(width, _indexed(torch.device(device)))
+    values = _output(sent[:, :1] + steps)
+    if all(count == width for count in counts):
+        return values
+    return torch.where(column < sent[:, 1:], values, 0.0)
+
+
+@functools.cache
+def _columns(width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[width] int64 on `device`: 0..width-1, and j * GAMMA (wrapped), the state's advance
+    over j values. Cached: a step's shapes repeat, and building them is two more launches."""
+    column = torch.arange(width, device=device)
+    return column, column * _signed(_GAMMA)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """`device` with its index: "cuda" is the current GPU, which a cache key must name."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def batch_uniforms(
@@ -65,9 +126,41 @@ def batch_uniforms(
 ) -> torch.Tensor:
     """[B, n] float32: row b is the next n uniforms of rngs[b]. With `draws`, a row where it is
     False draws nothing and is zero: a greedy row, whose tokens are argmaxes that read no uniform."""
-    if draws is not None and not any(draws):
-        return torch.zeros(len(rngs), n, dtype=torch.float32, device=device)  # no draw, no copy
+    counts = [n if draws is None or draws[b] else 0 for b in range(len(rngs))]
+    return stream_uniforms(rngs, counts, device, n)
+
+
+def position_uniforms(
+    rngs: Sequence[RequestRng], positions: torch.Tensor, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[B, n] float32 on `device`: row b holds rngs[b]'s uniforms at the sequence positions
+    positions[b] ([B, n] int64 >= 0, on the host; one copy with the keys)."""
     if not rngs:
-        return torch.empty(0, n, dtype=torch.float32, device=device)
-    rows = [rng.uniforms(n) if draws is None or draws[b] else torch.zeros(n) for b, rng in enumerate(rngs)]
-    return to_device(torch.stack(rows), device)
+        return torch.empty(positions.shape, dtype=torch.float32, device=device)
+    keys = _int64(array.array("Q", [rng.position_key for rng in rngs]))[:, None]
+    both = to_device(torch.cat([keys, positions.to(torch.int64)], dim=1), device)
+    return splitmix64_uniforms(both[:, 0], both[:, 1:])
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """The logical right shift of int64 `z`'s 64 bits (`>>` on int64 is arithmetic: the mask
+    clears the copies of the sign bit)."""
+    shifted = z >> bits
+    shifted &= (1 << (64 - bits)) - 1
+    return shifted
+
+
+def _int64(values: array.array) -> torch.Tensor:
+    """Host int64 tensor of unsigned 64-bit values' bits (an array is built per row several
+    times faster than `torch.tensor` reads a list of python ints)."""
+    return torch.frombuffer(values, dtype=torch.int64)
+
+
+def _signed(value: int) -> int:
+    """The int64 with the bits of unsigned 64-bit `value`."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _derive(seed: int, stream: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{stream}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")

@@ -3,9 +3,10 @@
 Glues the target sampler, the per-request RNG and the rejection samplers. `Verifier.verify`
 takes a step's proposals as one `VerifyBatch` (sampling/batch.py, built from target-space
 `Proposal`s: `DraftToTargetMap.proposal` maps a draft's law first) with the target's logits.
-Per row and step the request's generator yields 2*(K+1) uniforms in a fixed order:
+Per row and step the request's stream yields 2*(K+1) uniforms in a fixed order:
 K+1 for the target sampler, then K+1 for rejection sampling, so a seeded request gets
-the same tokens whatever else is in the batch. A candidate tree of N nodes (the tree kernel)
+the same tokens whatever else is in the batch; the whole batch's are computed on the
+device in one go (sampling/rng.py). A candidate tree of N nodes (the tree kernel)
 draws 2*(N+1) the same way: its node n tests with rejection uniform n, and the residual
 draw after the children of a node are all rejected uses uniform (its last child + 1) —
 for a chain exactly the chain's rule, and in a breadth-first layout never a uniform the
@@ -37,7 +38,7 @@ from sampling.batch import VerifyBatch
 from sampling.filtering import restrict
 from sampling.params import SamplingParams, SamplingTensors
 from sampling.rejection import Backend, RejectionSampler
-from sampling.rng import RequestRng, batch_uniforms
+from sampling.rng import RequestRng, batch_uniforms, position_uniforms, stream_uniforms
 from sampling.target_sampler import sample_target
 from sampling.tree import TreeResult, tree_rejection_sample
 
@@ -152,11 +153,12 @@ class Verifier:
         rows, k = batch.rows, batch.nodes
         tensors = SamplingTensors.from_params(params, self.device)
         sampled = [not p.is_greedy and not c for p, c in zip(params, coupled, strict=True)]
-        uniforms = batch_uniforms(rngs, 2 * (k + 1), "cpu" if any(coupled) else self.device, sampled)
+        uniforms = batch_uniforms(rngs, 2 * (k + 1), self.device, sampled)
         if any(coupled):  # [B, 2(K+1)]: greedy rows 0, coupled rows their positions' then 0
             at = [b for b, c in enumerate(coupled) if c]
-            uniforms[at, : k + 1] = torch.tensor([rngs[b].at(batch.positions[b], k + 1) for b in at])
-            uniforms = to_device(uniforms, self.device)
+            positions = torch.tensor([batch.positions[b] for b in at])[:, None] + torch.arange(k + 1)
+            drawn = position_uniforms([rngs[b] for b in at], positions, self.device)
+            uniforms[device_tensor(at, torch.int64, self.device), : k + 1] = drawn
         target = sample_target(target_logits, tensors, uniforms[:, : k + 1])
         output, emitted = self.sampler(
             to_device(batch.draft_token_ids, self.device),
@@ -186,33 +188,40 @@ class Verifier:
         rows, n = batch.rows, batch.nodes
         num_nodes, parents = batch.node_counts(), batch.parents
         tensors = SamplingTensors.from_params(params, self.device)
-        uniforms = torch.zeros(rows, 2 * (n + 1))  # [B, 2(N+1)]; row b uses 2(N_b+1) of them
-        host_parents = parents.tolist() if any(coupled) else []
-        for b, (rng, nodes, p) in enumerate(zip(rngs, num_nodes, params, strict=True)):
-            if p.is_greedy:
-                continue  # argmaxes read no uniform: a greedy row draws none (left 0)
-            if coupled[b]:
+        node_counts = device_tensor(num_nodes, torch.int64, self.device)  # [B]
+        # [B, 2(N+1)]: row b's first N_b+1 uniforms for the target sampler (columns 0..N_b),
+        # its next N_b+1 for the rejection test (columns N+1..N+1+N_b), 0 elsewhere. Argmaxes read
+        # no uniform: a greedy row draws none (all 0), nor does a coupled row from its stream.
+        sampled = [0 if p.is_greedy or c else 2 * (m + 1) for p, c, m in zip(params, coupled, num_nodes, strict=True)]
+        drawn = stream_uniforms(rngs, sampled, self.device, 2 * (n + 1))  # row b's draws first, then 0
+        context = torch.arange(n + 1, device=self.device)
+        in_row = context[None, :] <= node_counts[:, None]  # [B, N+1]: the root, then after each node
+        uniforms = torch.cat(
+            [torch.where(in_row, drawn[:, : n + 1], 0.0), drawn.gather(1, node_counts[:, None] + 1 + context)], dim=1
+        )
+        if any(coupled):  # each context's target token with the uniform of its depth's position
+            at = [b for b, c in enumerate(coupled) if c]
+            positions = torch.zeros(len(at), n + 1, dtype=torch.int64)  # past a row: masked below
+            for i, (b, row_parents) in enumerate(zip(at, parents[at].tolist(), strict=True)):
                 depths = [0]  # of each context: the root, then after each node
-                for parent in host_parents[b][:nodes]:
+                for parent in row_parents[: num_nodes[b]]:
                     depths.append(depths[parent + 1] + 1)
-                drawn = rng.at(batch.positions[b], max(depths) + 1)
-                uniforms[b, : nodes + 1] = torch.tensor([drawn[d] for d in depths])
-                continue
-            drawn = rng.uniforms(2 * (nodes + 1))
-            uniforms[b, : nodes + 1], uniforms[b, n + 1 : n + 2 + nodes] = drawn[: nodes + 1], drawn[nodes + 1 :]
+                positions[i, : len(depths)] = batch.positions[b] + torch.tensor(depths)
+            rows_at = device_tensor(at, torch.int64, self.device)
+            drawn_at = position_uniforms([rngs[b] for b in at], positions, self.device)
+            uniforms[rows_at, : n + 1] = torch.where(in_row[rows_at], drawn_at, 0.0)
         # The residual uniform of each context: rejection uniform (its last child + 1).
         node = torch.arange(n)
         real = node[None, :] < torch.tensor(num_nodes)[:, None]  # [B, N]
         recover_index = torch.zeros(rows, n + 1, dtype=torch.int64).scatter_reduce(
             1, (parents.cpu().long() + 1).clamp(min=0) * real, (node[None, :] + 1) * real, "amax"
         )
-        uniforms = to_device(uniforms, self.device)
         rejection = uniforms[:, n + 1 :]  # [B, N+1]
         target = sample_target(target_logits, tensors, uniforms[:, : n + 1].contiguous())
         result = self.tree_sampler(
             to_device(batch.draft_token_ids, self.device),
             to_device(parents, self.device),
-            device_tensor(num_nodes, torch.int64, self.device),
+            node_counts,
             None if batch.draft_probs is None else batch.draft_probs.to(self.device),
             target.probs,
             target.token_ids,
@@ -224,7 +233,7 @@ class Verifier:
         accepted = emitted.long() - 1
         stats = StepStats(
             do_sample=tensors.do_sample,
-            draft_tokens=device_tensor(num_nodes, torch.int64, self.device),
+            draft_tokens=node_counts,
             accepted_tokens=accepted,
             accepted_per_position=torch.arange(n, device=self.device) < accepted[:, None],
         )

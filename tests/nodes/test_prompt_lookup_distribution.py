@@ -133,6 +133,6 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch(pair):
     together, seen = generate_lookup(pair, PROMPT, seeds, max_new_tokens=20)
     assert together == alone
     assert sum(len(out) == 20 for out in alone) > 24  # most run to the length limit (some sample the end)
-    assert sum(count for k, count in seen.chosen_k.items() if k) > 16  # drafted steps, not all K = 0
+    assert sum(count for k, count in seen.chosen_k.items() if k) > 8  # drafted steps, not all K = 0
     plain, _ = generate_lookup(pair, PROMPT, seeds, max_new_tokens=20, k=0)
     assert plain == alone

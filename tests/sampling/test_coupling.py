@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from sampling import RequestRng, SamplingParams, Verifier, VerifyBatch
+import sampling.verifier as verifier_module
+from sampling import RequestRng, SamplingParams, Verifier, VerifyBatch, position_uniforms
 from tests.sampling.helpers import ALPHA, chi_square_pvalue
 from tests.sampling.stat_cases import P, Q
 
@@ -60,8 +61,10 @@ def test_coupled_point_masses_keep_the_law_and_the_acceptance(tree):
 
 
 def test_one_uniform_for_every_position_is_caught(monkeypatch):
-    at = RequestRng.at
-    monkeypatch.setattr(RequestRng, "at", lambda self, start, n: at(self, start, 1) * n)
+    def first_position_only(rngs, positions, device):
+        return position_uniforms(rngs, positions[:, :1].expand_as(positions), device)
+
+    monkeypatch.setattr(verifier_module, "position_uniforms", first_position_only)
     found = failures()
     assert any("do not follow q" in f for f in found), found
 
