@@ -10,7 +10,7 @@ own time budget, into one results file.
 Steps, in this order, each a process of its own killed at its budget (the next one then starts;
 a step's status: passed, failed, timeout, skipped when not asked for, not run and why):
   kernel-tests  pytest -m gpu: the CuPy chain and tree kernels against the torch reference,
-                and the sampling statistics through them
+                the sampling statistics through them, and the device's uniforms equal to the CPU's
   engine-tests  pytest -m gpu: both engines and nodes on the GPU (exactness, CUDA graphs, host
                 waits, layer-by-layer KV), the transformer distribution test with the kernels
   eagle-tests   pytest -m gpu: the hidden-state head's features under graph replays, and its
@@ -107,6 +107,7 @@ TESTS = {
         "tests/sampling/test_tree_cupy.py",
         "tests/sampling/test_rejection_stats.py",
         "tests/sampling/test_tree_stats.py",
+        "tests/sampling/test_rng.py",
     ],
     "engine-tests": [
         "tests/engine/test_gpu_nodes.py",
