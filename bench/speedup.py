@@ -180,10 +180,13 @@ def main() -> None:
     for method, group in by_method.items():
         with method_nodes(models, method, max(batches)) as (client, _, decode):
             print(f"# {method}: step costs {decode.engine.policy.costs}", flush=True)
-            # Warm-up, untimed: each group's longest prompt for the whole budget, so the CUDA graphs of
-            # every key width a timed run reaches are captured (else the first timed config pays them).
+            # Warm-up, untimed: each group's longest prompt for the whole budget, alone and as many
+            # streams as each timed batch, so the CUDA graphs of every key width and batch size a
+            # timed run reaches are captured (else the first timed config at a batch pays them).
             longest = [max(chosen, key=lambda p: len(p["ids"])) for chosen in groups.values()]
-            run_set(client, longest, group[0].k, 0, 1, args.max_new_tokens, True)
+            for batch in sorted({1, *batches}):
+                streams = (longest * batch)[: max(batch, len(longest))]
+                run_set(client, streams, group[0].k, 0, batch, args.max_new_tokens, True)
             for config in group:
                 for temperature in temperatures:
                     for batch in batches:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -80,11 +81,20 @@ def generate_both_ways(grpc_port: int, http_port: int) -> None:
     assert completion.choices[0].text is not None and completion.usage.completion_tokens > 0
 
 
-def pool_bytes(port: int, role: str) -> int:
+def pool_bytes(port: int, role: str, peer_token: str) -> int:
+    """A node's KV pool size from its GetInfo (the decode node's needs the launcher's peer token)."""
     if role == "decode":
-        return decode_info(f"127.0.0.1:{port}").kv_pool_bytes
+        return decode_info(f"127.0.0.1:{port}", peer_token=peer_token).kv_pool_bytes
     with Client(f"127.0.0.1:{port}") as client:
         return client.info().kv_pool_bytes
+
+
+def peer_token_file(directory: Path) -> Path:
+    """A peer token in a file only this user reads, as the compose file's peer-token service writes it."""
+    path = directory / "peer-token"
+    path.touch(mode=0o600)
+    path.write_text(secrets.token_hex(32) + "\n")
+    return path
 
 
 def test_serve_on_one_gpu_with_default_flags(checkpoint, tmp_path):
@@ -92,6 +102,8 @@ def test_serve_on_one_gpu_with_default_flags(checkpoint, tmp_path):
     gRPC and the OpenAI API, and stop with the launcher's SIGTERM."""
     prefill, decode, prefill_metrics, decode_metrics, http = free_ports(5)
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 (read after the process ends)
+    scratch = tmp_path / "tmp"  # the launcher's TMPDIR: where it writes the nodes' peer token
+    scratch.mkdir()
     launcher = subprocess.Popen(
         [
             *(sys.executable, "-m", "pdspec.local", "--device", "cuda"),
@@ -102,14 +114,15 @@ def test_serve_on_one_gpu_with_default_flags(checkpoint, tmp_path):
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=ROOT,
-        env=NODE_ENV,
+        env={**NODE_ENV, "TMPDIR": str(scratch)},
     )
     try:
         wait_serving(f"127.0.0.1:{prefill}", START_S, [launcher])
         generate_both_ways(prefill, http)
         total = torch.cuda.mem_get_info()[1]
+        (token,) = scratch.glob("pdspec-peer-token-*")
         for port, role in ((decode, "decode"), (prefill, "prefill")):
-            assert 0 < pool_bytes(port, role) < GPU_SHARES[role] * total, role
+            assert 0 < pool_bytes(port, role, token.read_text().strip()) < GPU_SHARES[role] * total, role
     finally:
         code = stop(launcher)
         log.seek(0)
@@ -132,7 +145,13 @@ def test_the_gpu_compose_command_lines_share_one_gpu(checkpoint, tmp_path):
     """The two containers of the GPU compose file, as processes on one GPU: their entrypoint
     (`python -m <node>`) with their environment; the decode node first, as `depends_on` orders."""
     ports = dict(zip(("decode", "decode_metrics", "prefill", "prefill_metrics", "http"), free_ports(5), strict=True))
-    model = {"TARGET_MODEL": str(checkpoint), "DRAFT_LAYERS": "1", "HOST": "127.0.0.1"}
+    token = peer_token_file(tmp_path)  # the peer-token volume's file
+    model = {
+        "TARGET_MODEL": str(checkpoint),
+        "DRAFT_LAYERS": "1",
+        "HOST": "127.0.0.1",
+        "PEER_TOKEN_FILE": str(token),
+    }
     decode_env = compose_environment(
         "decode",
         {
