@@ -30,16 +30,15 @@ bench/results or --out, again after every step.
 
 On the GPU machine (one H100 or H200, no network, its python3 with CUDA torch and CuPy; `run`'s
 working tree at most 64 MiB a call, the tracked tree ~3 MiB, ~22 with a draft head shipped), after
-`make gpu-prep` here (add BASE=<rev> for a baseline tree), four calls, each within 30 s of the
+`make gpu-prep` here (add BASE=<rev> for a baseline tree), three calls, each within 30 s of the
 last (while the machine is warm, /tmp keeps what the earlier ones left):
-  call 1, carry [".carry/gguf.1"]:  make gpu-stash
-  call 2, carry [".carry/gguf.2"]:  make gpu-stash
-  call 3, carry [".whl", ".carry/gguf.3", ".carry/gguf.sha256", ".carry/commit"] (+ ".carry/base"):
-    make gpu-check GPU_CHECK_FLAGS="--out $OUT --only kernel-tests,engine-tests,eagle-tests"
-  call 4, the same carry:
+  call 1, carry [".carry/gguf.1", ".carry/gguf.3", ".carry/gguf.sha256"]:  make gpu-stash
+  call 2, carry [".whl", ".carry/gguf.2", ".carry/gguf.sha256", ".carry/commit"] (+ ".carry/base"):
+    make gpu-stash && make gpu-check GPU_CHECK_FLAGS="--out $OUT --only kernel-tests,engine-tests,eagle-tests"
+  call 3, carry [".whl", ".carry/gguf.sha256", ".carry/commit"] (+ ".carry/base"):
     make gpu-check GPU_CHECK_FLAGS="--out $OUT --only serve-tests,speedup,acceptance,e2e"
     (+ " --baseline-tree .carry/base")
-  The steps take two calls: together they outlast one call's 10 minutes.
+  The steps take calls 2 and 3: together they outlast one call's 10 minutes.
   Without make: `python3 bench/gpu_check.py --stash`, and for a check
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
     --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 bench/gpu_check.py --out $OUT ...
