@@ -44,6 +44,13 @@ def _non_negative_int(raw: str) -> int:
     return value
 
 
+def _non_negative_float(raw: str) -> float:
+    value = float(raw)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {raw}")
+    return value
+
+
 def _positive_float(raw: str) -> float:
     value = float(raw)
     if not value > 0:
@@ -65,6 +72,13 @@ def build_parser() -> EnvArgumentParser:
         "reading the target's low/mid/high-layer states, a reduced vocabulary)",
     )
     flag("--passes", default=3, type=_positive_int, help="eagle: training-time test passes (the head's own outputs)")
+    flag(
+        "--feature-weight",
+        default=0.1,
+        type=_non_negative_float,
+        help="eagle: weight of the feature loss (smooth-L1 to the target's last hidden state; 0 = EAGLE-3's "
+        "distribution loss alone)",
+    )
     flag("--out", required=True, type=Path, help="output directory (draft, checkpoints, data, eval)")
     flag("--layers", default=2, type=_positive_int, help="decoder layers of the draft (at most the target's)")
     flag("--tokens", default=20000, type=_positive_int, help="target-generated training tokens, in total")
@@ -197,7 +211,9 @@ def _train_eagle(args, parser, target, tokenizer, train_items, held_out, checkpo
         )
         torch.save({"train": features, "held": held_features}, path)
         print(f"target hidden states in {time.perf_counter() - started:.0f} s", flush=True)
-    settings = eagle_train.HeadSettings(args.steps, args.batch, args.lr, args.seed, passes=args.passes)
+    settings = eagle_train.HeadSettings(
+        args.steps, args.batch, args.lr, args.seed, passes=args.passes, feature_weight=args.feature_weight
+    )
     torch.manual_seed(args.seed)
     head = eagle_train.init_head(config, module)
     print(

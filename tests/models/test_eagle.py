@@ -134,6 +134,18 @@ def test_cli_trains_evaluates_and_resumes_to_the_same_head(target_dir, tmp_path,
         assert torch.equal(tensor, second[name]), name
 
 
+def test_resuming_with_another_feature_weight_is_refused(target_dir, tmp_path, capsys):
+    """--feature-weight reaches the training settings: a checkpoint trained with one is not
+    continued with another."""
+    out = tmp_path / "head"
+    assert _train(target_dir, out, "--steps", "2", "--save-every", "2") == 0
+    distill.checkpoint_path(out, 2).rename(distill.checkpoint_path(out, 1))  # as if stopped early
+    with pytest.raises(SystemExit) as exit_info:
+        _train(target_dir, out, "--steps", "2", "--resume", "--feature-weight", "0")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--resume" in err and "'feature_weight': 0.0" in err, err
+
+
 def test_head_of_another_target_is_refused(target_dir, head_dir, tmp_path):
     other_dir = make_target(tmp_path / "other", seed=6, layers=4)
     other, _ = load_model(other_dir, dtype=torch.float32)
@@ -147,6 +159,8 @@ def test_head_of_another_target_is_refused(target_dir, head_dir, tmp_path):
     [
         (["--kind", "medusa"], "--kind"),
         (["--kind", "eagle", "--passes", "0"], "--passes"),
+        (["--kind", "eagle", "--feature-weight", "-0.1"], "--feature-weight"),
+        (["--kind", "eagle", "--feature-weight", "nan"], "--feature-weight"),
     ],
 )
 def test_bad_training_flags_name_the_flag(target_dir, tmp_path, capsys, argv, flag):
