@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -21,7 +21,7 @@ import yaml
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 from pdspec.client import Client, decode_info
-from pdspec.local import GPU_SHARES, wait_serving
+from pdspec.local import GPU_SHARES, peer_token_file, wait_serving
 from tests.models.hf_fixtures import WORDS, make_family_checkpoint, make_tokenizer
 
 pytestmark = pytest.mark.gpu
@@ -89,12 +89,11 @@ def pool_bytes(port: int, role: str, peer_token: str) -> int:
         return client.info().kv_pool_bytes
 
 
-def peer_token_file(directory: Path) -> Path:
-    """A peer token in a file only this user reads, as the compose file's peer-token service writes it."""
-    path = directory / "peer-token"
-    path.touch(mode=0o600)
-    path.write_text(secrets.token_hex(32) + "\n")
-    return path
+@pytest.fixture
+def peer_token() -> Iterator[Path]:
+    """A peer token file as the launcher writes it (the compose file's peer-token volume holds one)."""
+    with peer_token_file() as path:
+        yield path
 
 
 def test_serve_on_one_gpu_with_default_flags(checkpoint, tmp_path):
@@ -141,16 +140,15 @@ def compose_environment(role: str, overrides: dict[str, str]) -> dict[str, str]:
     return {**env, **overrides}
 
 
-def test_the_gpu_compose_command_lines_share_one_gpu(checkpoint, tmp_path):
+def test_the_gpu_compose_command_lines_share_one_gpu(checkpoint, tmp_path, peer_token):
     """The two containers of the GPU compose file, as processes on one GPU: their entrypoint
     (`python -m <node>`) with their environment; the decode node first, as `depends_on` orders."""
     ports = dict(zip(("decode", "decode_metrics", "prefill", "prefill_metrics", "http"), free_ports(5), strict=True))
-    token = peer_token_file(tmp_path)  # the peer-token volume's file
     model = {
         "TARGET_MODEL": str(checkpoint),
         "DRAFT_LAYERS": "1",
         "HOST": "127.0.0.1",
-        "PEER_TOKEN_FILE": str(token),
+        "PEER_TOKEN_FILE": str(peer_token),
     }
     decode_env = compose_environment(
         "decode",
