@@ -96,8 +96,8 @@ BUDGETS = {
     # two node processes started one after the other, each making the 8B shape, then 1 and 32
     # streams of 128 tokens
     "e2e": 80,
-    # three tests, each starting both nodes as processes on a 3-layer Llama: the first two took
-    # ~140 s together on an H100, the last 36 s alone
+    # three tests, each starting both nodes as processes on a 3-layer Llama: on an H100 the third
+    # was still running when a 140 s budget ran out, and took 36 s alone
     "serve-tests": 240,
 }
 STEPS = tuple(BUDGETS)
