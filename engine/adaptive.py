@@ -1,19 +1,21 @@
 """Adaptive K: how many tokens to draft for one request in one step.
 
-A verify of K drafts emits E(K) = 1 + sum_{i<K} prod_{j<=i} a_j tokens in expectation, where
-a_j is the chance that draft j is accepted given that the drafts before it were; it costs
-verify[K] + K * depth target steps (`StepCosts`: a verify of K+1 tokens per row, and one
-draft-model depth, each relative to a K = 0 step). Each step picks the K in 0..limit with the
-most expected tokens per unit of cost; K = 0 (1 token for 1 step) whenever drafting does not pay.
+A verify of K drafts emits E(K) = 1 + sum_{i<K} prod_{j<=i} a_j tokens in expectation, where a_j
+is the chance that draft j is accepted given that the drafts before it were; it costs verify[K]
++ K * depth target steps (`StepCosts`: a verify of K+1 tokens per row, and one draft-model
+depth, each relative to a K = 0 step). Each step picks the K in 0..limit with the most expected
+tokens per unit of cost; K = 0 (1 token for 1 step) whenever drafting does not pay.
 
-The a_j are the request's own: counts of accepted / tested drafts at each position, with a
-prior of `PRIOR` worth `PRIOR_WEIGHT` observations, decayed by `DECAY` every step (K = 0 steps
-too), so a request whose drafts stopped paying probes again after a while, and one whose text
-turns repetitive finds out. The choice reads only the request's own history and a cost table
-fixed when the node starts, so a seeded request draws the same tokens whatever else runs
-beside it; and since K depends only on the past, never on the step's uniforms, the verifier's
-output law is unchanged. Point-mass proposals (prompt lookup) go further: verified by coupling
-(sampling/verifier.py), a seeded request draws the tokens it would at K = 0, whatever K is.
+The a_j are the request's own: counts of accepted / tested drafts at each position, with a prior
+of `PRIOR` worth `PRIOR_WEIGHT` observations, decayed by `DECAY` every step (K = 0 steps too),
+so a request whose drafts stopped paying probes again after a while, and one whose text turns
+repetitive finds out. Steps the batch gate (`BatchGate`) holds at K = 0 are not counted: the
+gate probes for the rows it holds (engine/spec_policy.py). The choice reads only the request's
+own history and a cost table fixed when the node starts, so a seeded request draws the same
+tokens whatever else runs beside it; and since K depends only on the past, never on the step's
+uniforms, the verifier's output law is unchanged. Point-mass proposals (prompt lookup) go
+further: verified by coupling (sampling/verifier.py), a seeded request draws the tokens it would
+at K = 0, whatever K is.
 """
 
 from __future__ import annotations

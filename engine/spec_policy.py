@@ -11,10 +11,11 @@ the context had a match worth drafting after its last step (`hit`) and after the
 t - 1 is read, so rows without a match pipeline like K = 0 rows.
 
 The batch gate (engine/adaptive.BatchGate) prices speculation for the batch as a whole, for
-every method: from the wall times of the steps this node actually ran at this batch size, a
-step speculates only while the tokens its rows expect (their own E(K)) per second beat a K = 0
-step's; so a method whose drafting does not pay at the current load (a draft model at batch 16,
-say) is not run for that step, and a batch whose rows find nothing to draft pipelines like K = 0.
+every method: from the wall times of the steps this node actually ran at this batch size, a step
+speculates only while the tokens its rows expect (their own E(K)) per second beat a K = 0 step's
+(a step it holds leaves the rows' acceptance as they showed it, undecayed); so a method whose
+drafting does not pay at the current load (a draft model at batch 16, say) is not run for that
+step, and a batch whose rows find nothing to draft pipelines like K = 0.
 
 None of this changes the output law: K depends only on the past (the rows' own acceptance and
 the node's measured step times), never on the step's uniforms. A seeded sampled row's tokens
@@ -46,6 +47,7 @@ class _Row:
     hit: bool = True  # a match worth drafting after the last step (match-driven proposers)
     may_draft: bool = True  # the same after the step before
     gain: float = 1.0  # the tokens the next step expects if it drafts (adaptive K's E(K))
+    gated: bool = False  # the batch gate held the row's latest step at K = 0
 
 
 @dataclass(frozen=True)
@@ -97,12 +99,14 @@ class SpecPolicy:
                 for s in seqs
             )
         )
-        if not gateable:
-            return pipelines
-        expected = sum(self._gain(s, s in unread) for s in seqs)
-        plain = pipelines or not self.gate.allows(len(seqs), expected)
-        self._gated = (len(seqs), not plain)
-        return plain
+        held = False
+        if gateable:
+            expected = sum(self._gain(s, s in unread) for s in seqs)
+            held = not pipelines and not self.gate.allows(len(seqs), expected)
+            self._gated = (len(seqs), not (pipelines or held))
+        for seq in seqs:
+            self._rows[seq].gated = held
+        return pipelines or held
 
     def pipelines(self, seqs: list[Sequence], unread: Collection[Sequence]) -> bool:
         """Whether this step can be queued before the step in flight (its rows: `unread`) is
@@ -150,13 +154,18 @@ class SpecPolicy:
     # -- what a step showed ---------------------------------------------------------------
     def verified(self, seq: Sequence, source: str | None, depth: int, accepted: int) -> None:
         """A synchronous step's outcome for a row: `depth` drafts of its own from `source` (None:
-        none of its own, e.g. the prefill's proposal), the first `accepted` accepted."""
-        adaptive = self._rows[seq].adaptive
-        if adaptive is not None:
-            adaptive.observe(source, depth, accepted)
+        none of its own, e.g. the prefill's proposal), the first `accepted` accepted. A step the
+        batch gate held is no observation: its counts would decay toward the prior, held step
+        after held step, until the gate, reading the rows' E(K), let a batch whose drafts do not
+        pay speculate again; the gate probes for the rows it holds (`BatchGate.allows`)."""
+        row = self._rows[seq]
+        if row.adaptive is not None and not row.gated:  # a held step drafted nothing
+            row.adaptive.observe(source, depth, accepted)
 
     def ran_plain(self, seq: Sequence) -> None:
-        """A row that may speculate ran a queued K = 0 step."""
+        """A row that may speculate ran a queued K = 0 step. That step was decided one step ago,
+        and `gated` is the step now queued's: the two differ only where the gate changed its
+        mind, by one decay."""
         self.verified(seq, None, 0, 0)
 
     def advanced(self, seq: Sequence) -> None:

@@ -16,7 +16,7 @@ pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 from decode_node.engine import DecodeConfig, DecodeEngine
 from decode_node.request import QueueFull
-from engine.adaptive import StepCosts
+from engine.adaptive import PRIOR, BatchGate, StepCosts
 from engine.paged_lm import paged_pair
 from engine.spec_config import SpeculativeConfig
 from models.loader import load_pair
@@ -224,6 +224,53 @@ def test_the_batch_gate_prices_model_drafts_and_never_moves_a_seeded_row(pair, s
     gated = run(pair, seeded, scheduling, method="hybrid", gate="plain-faster")
     assert sum(s.verify_steps for s in run.stats if s) > 0
     assert gated == run(pair, seeded, scheduling, method="hybrid")
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_rows_the_gate_holds_keep_the_acceptance_they_showed(pair, scheduling):
+    """A step the batch gate holds at K = 0 is no observation of its rows: their running
+    acceptance does not decay back toward the prior while held, which would make the gate,
+    reading their E(K), let a batch whose drafts do not pay speculate again after a few dozen
+    steps. A step a row itself chose at K = 0 (no gate) still decays it."""
+    prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(method="hybrid")))
+    config = DecodeConfig(
+        spec=SpeculativeConfig(max_speculative_tokens=4, method="hybrid"),
+        async_scheduling=scheduling,
+        step_costs=StepCosts((1.0, 1.2, 1.3, 1.4, 1.5)),
+    )
+    decode = DecodeEngine(pair, config)
+    gate = decode.policy.gate
+    for speculated, seconds in ((True, 1.0), (True, 1.0), (False, 100.0), (False, 100.0)):  # speculating pays
+        gate.record(4, speculated, seconds)
+    receiver = Receiver.from_contract(pair.contract(), 4)
+    batch = [request(5 + 2 * i, k=4, max_new=80) for i in range(4)]
+    submitted = []
+    for prefilled in prefill.prefill_many([prefill.check(r) for r in batch]):
+        wire = pdspec_pb2.DecodeRequest.FromString(prefilled.decode_request.SerializeToString())
+        submitted.append(decode.submit(validate_decode_request(wire, receiver)))
+    for _ in range(8):
+        decode.step()
+    rows = [decode.policy._rows[r.seq].adaptive for r in submitted]
+    assert all(r.seq.stats.verify_steps > 0 for r in submitted)
+    shown = [row.rates("draft") for row in rows]
+    assert all(rates[0] != PRIOR for rates in shown)  # what they showed is not the prior
+    decode.policy.gate = gate = BatchGate()  # one that has measured K = 0 steps as the faster kind
+    for speculated, seconds in ((True, 100.0), (True, 100.0), (False, 1.0), (False, 1.0)):
+        gate.record(4, speculated, seconds)
+    verify_steps = [r.seq.stats.verify_steps for r in submitted]
+    for _ in range(30):  # fewer than the steps between the gate's probes
+        decode.step()
+    assert [r.seq.stats.verify_steps for r in submitted] == verify_steps  # held at K = 0 throughout
+    assert [row.rates("draft") for row in rows] == shown
+    decode.policy.gate = None  # ungated, a row's own choice of K = 0 decays its counts toward the prior
+    for row in rows:
+        row.observe(None, 0, 0)
+    assert [row.rates("draft") for row in rows] != shown
+    for req in submitted:
+        decode.cancel(req)
+    while decode.load:
+        decode.step()
+    assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
 
 
 @pytest.mark.parametrize("scheduling", ["on", "off"])
