@@ -2,7 +2,7 @@
 
     python bench/api_speedup.py [--device cpu|cuda] [--batches 1,16,64] [--temperatures 0,0.7]
         [--max-new-tokens 128] [--rounds 3] [--prompts bench/prompts/speedup.jsonl ...]
-        [--serve-flag=--speculative-method=hybrid ...] [--smoke]
+        [--serve-flag=--speculative-method=hybrid ...] [--budget SECONDS] [--smoke]
 
 Both nodes start as a user starts them (`pdspec serve`, the launcher's default flags plus any
 `--serve-flag`), in their own processes, and every request goes through the official `openai`
@@ -134,9 +134,14 @@ def run(args: argparse.Namespace) -> tuple[list[Outcome], dict]:
         client = OpenAI(base_url=f"http://127.0.0.1:{nodes.http}/v1", api_key="none", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
         workers = ThreadPoolExecutor(max(args.batches))
+        deadline = time.monotonic() + args.budget
         for temperature in args.temperatures:
             for batch in args.batches:
                 for group in groups:
+                    if outcomes and time.monotonic() > deadline:  # a cell runs whole or not at all; one always runs
+                        print(f"budget spent: T={temperature} B={batch} {group} and the cells after it not run")
+                        workers.shutdown()
+                        return outcomes, cells
                     members = [p for p in prompts if p.group == group][: args.prompts_per_group]
                     cell = cells.setdefault((group, temperature, batch), Cell())
                     for r in range(args.rounds):
@@ -248,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
         "--serve-flag", action="append", default=[], help="a flag for `pdspec serve` (repeat; --serve-flag=--x=y)"
     )
     parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument(
+        "--budget", type=float, default=float("inf"), help="seconds after which no cell starts (the first always runs)"
+    )
     parser.add_argument("--completions", action="store_true", help="send chat prompts to /v1/completions as text")
     parser.add_argument("--smoke", action="store_true", help="the built-in pair, 1 prompt a group, nothing kept")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
