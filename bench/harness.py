@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
@@ -533,6 +533,7 @@ def nodes(
     from decode_node.server import DecodeNodeConfig
     from decode_node.server import run_server as run_decode
     from pdspec.client import Client
+    from pdspec.local import GPU_SHARES
     from pdspec.modelspec import ModelSpec
     from prefill_node.engine import PrefillConfig
     from prefill_node.server import PrefillNodeConfig
@@ -540,11 +541,22 @@ def nodes(
 
     models = models or ModelSpec()
     loader = None if pair is None else (lambda: pair)
-    common = {"host": LOOPBACK, "port": 0, "metrics_port": None, "models": models}
-    config = DecodeNodeConfig(**{**common, "engine": decode or DecodeConfig(), **(decode_node or {})})
+    common = {"host": LOOPBACK, "port": 0, "metrics_port": None}
+
+    def share(role: str) -> ModelSpec:
+        """Both nodes size their KV pools from one device's memory: each takes the launcher's
+        share of it (GPU_SHARES), not the whole of `gpu_memory_utilization` each."""
+        if models.kv_cache_bytes is not None:
+            return models
+        return replace(models, gpu_memory_utilization=GPU_SHARES[role])
+
+    config = DecodeNodeConfig(
+        **{**common, "models": share("decode"), "engine": decode or DecodeConfig(), **(decode_node or {})}
+    )
     with run_decode(config, loader, engine_factory or DecodeEngine) as decode_running:
         peer = {"decode_addr": f"{LOOPBACK}:{decode_running.port}", "peer_check_s": 0.1}
-        config = PrefillNodeConfig(**{**common, **peer, "engine": prefill or PrefillConfig(), **(prefill_node or {})})
+        fields = {**common, **peer, "models": share("prefill"), "engine": prefill or PrefillConfig()}
+        config = PrefillNodeConfig(**{**fields, **(prefill_node or {})})
         with run_prefill(config, loader) as prefill_running:
             wait_until(lambda: prefill_running.peer.compatible, 120, "the prefill node's decode peer")
             with Client(f"{LOOPBACK}:{prefill_running.port}", max_message_bytes=max_message_bytes) as client:
