@@ -371,8 +371,7 @@ class DecodeEngine:
         for request, proposal, row in zip(requests, proposals, verified, strict=True):
             seq = request.seq
             self._record(seq, proposal, row)
-            ours = proposal.source != PREFILL  # the prefill's proposal says nothing of this node's choices
-            self.policy.verified(seq, proposal.source if ours else None, proposal.depth, len(row.emitted) - 1)
+            self.policy.verified(seq, proposal.source, proposal.depth, len(row.emitted) - 1)
             self._advance(request, row.emitted, row.logprobs)
 
     def _launch(self, requests: list[Request]) -> None:

@@ -98,21 +98,24 @@ class AdaptiveK:
             self._counts[source] = ([0.0] * self.cap, [0.0] * self.cap)
         return self._counts[source]
 
-    def rates(self, source: str) -> list[float]:
+    def rates(self, source: str, prior: list[float] | None = None) -> list[float]:
         """a_j for j in 0..cap-1: the chance draft j is accepted given the ones before were. Each
         position's prior is the rate of the position before it (PRIOR for the first), so a
-        position never tested yet is expected to do as its predecessor does."""
+        position never tested yet is expected to do as its predecessor does; or, given `prior`
+        (at least cap rates, e.g. the node's), that position's rate there."""
         accepted, tested = self._of(source)
-        out, prior = [], PRIOR
-        for a, t in zip(accepted, tested, strict=True):
-            prior = (a + prior * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
-            out.append(prior)
+        out, rate = [], PRIOR
+        for j, (a, t) in enumerate(zip(accepted, tested, strict=True)):
+            base = rate if prior is None else prior[j]
+            rate = (a + base * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+            out.append(rate)
         return out
 
-    def expected(self, source: str, k: int) -> float:
-        """E(k): the tokens a verify of k drafts from `source` emits in expectation."""
+    def expected(self, source: str, k: int, prior: list[float] | None = None) -> float:
+        """E(k): the tokens a verify of k drafts from `source` emits in expectation (`prior`: as
+        in `rates`)."""
         expected, reach = 1.0, 1.0
-        for a in self.rates(source)[:k]:
+        for a in self.rates(source, prior)[:k]:
             reach *= a
             expected += reach
         return expected
@@ -144,10 +147,17 @@ class AdaptiveK:
     def observe(self, source: str | None, depth: int, accepted: int) -> None:
         """One step: `depth` drafts proposed by `source` (None: none), the first `accepted` accepted.
         Every source's counts decay, drafted this step or not."""
+        self.decay(DECAY)
+        self.count(source, depth, accepted)
+
+    def decay(self, factor: float) -> None:
         for acc, tested in self._counts.values():
             for j in range(self.cap):
-                acc[j] *= DECAY
-                tested[j] *= DECAY
+                acc[j] *= factor
+                tested[j] *= factor
+
+    def count(self, source: str | None, depth: int, accepted: int) -> None:
+        """`depth` drafts proposed by `source` (None: none), the first `accepted` accepted."""
         if source is None or depth == 0:
             return
         acc, tested = self._of(source)

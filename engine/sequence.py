@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from engine.adaptive import AdaptiveK
 from engine.grammar import GrammarError, Grammars, GrammarState
 from engine.prompt_lookup import ContextIndex
 from models.base import State
@@ -83,17 +82,10 @@ class Sequence:
     target_state: State | None = None  # consumed all of history but its last token
     draft_state: State | None = None  # consumed a prefix of history (catches up before drafting)
     lookup: ContextIndex | None = None  # history, indexed for prompt lookup (holds the same list)
-    spec: AdaptiveK | None = None  # running acceptance and choice of K (adaptive K)
     stats: Stats = field(default_factory=Stats)
     # Decode side: the proposal that came with the request (the prefill node's), verified at the
     # sequence's first step on this node; None once that step has run.
     received: Proposal | None = None
-    # Prompt lookup: whether the context had a match worth drafting after the last step (`hit`)
-    # and after the one before (`may_draft`). Step t may draft only if it had one after step
-    # t - 2: known before step t - 1 is read, so rows without a match pipeline like K = 0 rows.
-    hit: bool = True
-    may_draft: bool = True
-    gain: float = 1.0  # the tokens the next step expects if it drafts (adaptive K's E(K))
     # Structured outputs: the matcher of the request's constraint (engine/grammar.py), at the end
     # of `history`; every step's target law is restricted to the tokens it allows.
     grammar: GrammarState | None = None

@@ -37,8 +37,11 @@ from engine.sequence import Sequence
 from engine.spec_config import SpeculativeConfig
 from models.base import CausalLM
 from sampling import Verifier
+from sampling.proposal import PREFILL
 
 log = logging.getLogger(__name__)
+
+SHOWN_DECAY = 0.98  # per step, of what the node's rows showed: back toward PRIOR after a few hundred steps
 
 
 @dataclass
@@ -66,6 +69,9 @@ class SpecPolicy:
         self.pipelined = pipelined  # async scheduling is on
         # Whether a batch speculates at all, from its measured steps (adaptive K: it prices each row).
         self.gate = BatchGate() if spec.adaptive else None
+        # What this node's rows showed lately, all together: the gate prices a row that has shown
+        # little (a newcomer, one held for long) at that, not at the optimistic PRIOR.
+        self.shown = AdaptiveK(spec.max_speculative_tokens)
         self._rows: dict[Sequence, _Row] = {}
         self._gated: tuple[int, bool] | None = None  # (rows, speculated) of this step, when the gate chose it
 
@@ -88,6 +94,7 @@ class SpecPolicy:
         else every request that joins a large batch would make one step of the whole batch
         speculate."""
         self._gated = None
+        self.shown.decay(SHOWN_DECAY)
         pipelines = self.pipelines(seqs, unread)
         gateable = (
             self.gate is not None
@@ -153,14 +160,16 @@ class SpecPolicy:
 
     # -- what a step showed ---------------------------------------------------------------
     def verified(self, seq: Sequence, source: str | None, depth: int, accepted: int) -> None:
-        """A synchronous step's outcome for a row: `depth` drafts of its own from `source` (None:
-        none of its own, e.g. the prefill's proposal), the first `accepted` accepted. A step the
+        """A synchronous step's outcome for a row: `depth` drafts from `source` (None: none; PREFILL:
+        the prefill's proposal, which says nothing of this node's choices for the row, but tells
+        the node how its newcomers' proposals fare), the first `accepted` accepted. A step the
         batch gate held is no observation: its counts would decay toward the prior, held step
         after held step, until the gate, reading the rows' E(K), let a batch whose drafts do not
         pay speculate again; the gate probes for the rows it holds (`BatchGate.allows`)."""
         row = self._rows[seq]
         if row.adaptive is not None and not row.gated:  # a held step drafted nothing
-            row.adaptive.observe(source, depth, accepted)
+            row.adaptive.observe(None if source == PREFILL else source, depth, accepted)
+            self.shown.count(source, depth, accepted)
 
     def ran_plain(self, seq: Sequence) -> None:
         """A row that may speculate ran a queued K = 0 step. That step was decided one step ago,
@@ -181,12 +190,13 @@ class SpecPolicy:
         if seq.plain:
             return 1.0
         row = self._rows[seq]
-        if seq.first_step:  # the prefill's proposal, at the acceptance the row has shown (its prior)
-            return row.adaptive.expected(self.proposer.method, len(seq.received.token_ids))
+        if seq.first_step:  # the prefill's proposal, at the acceptance the node's newcomers have shown
+            return row.adaptive.expected(PREFILL, len(seq.received.token_ids), self.shown.rates(PREFILL))
         if self.proposer.match_driven:  # priced when its context last grew (`_hit`)
             return 1.0 if self._idle(seq, in_flight) else row.gain
         plan = self.proposer.plan([seq], [seq.k])[0]
-        return row.adaptive.expected(plan.source, row.adaptive.choose(plan.source, plan.limit, self.costs))
+        k = row.adaptive.choose(plan.source, plan.limit, self.costs)
+        return row.adaptive.expected(plan.source, k, self.shown.rates(plan.source))
 
     def _batch_free(self, seq: Sequence) -> bool:
         """Whether the row's tokens may depend on what else is in the batch: not for a seeded
@@ -214,5 +224,5 @@ class SpecPolicy:
         if row.adaptive is None:
             return plan.limit > 0
         k = row.adaptive.choose(plan.source, plan.limit, self.costs) if plan.limit else 0
-        row.gain = row.adaptive.expected(plan.source, k)
+        row.gain = row.adaptive.expected(plan.source, k, self.shown.rates(plan.source))
         return k > 0 and (not self.pipelined or row.adaptive.pays_to_wait(plan.source, k, self.costs))

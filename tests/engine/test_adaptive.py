@@ -147,6 +147,30 @@ def test_decay_makes_a_request_at_zero_probe_again():
     assert spec.rates(LOOKUP)[0] > 0.25
 
 
+def test_a_prior_of_rates_stands_where_a_request_has_shown_little():
+    """Given another's rates (the node's), a position the request has not tested is expected to do
+    as they say, not as PRIOR; what the request shows outweighs them as it accumulates."""
+    spec, low = AdaptiveK(3), [0.1, 0.05, 0.02]
+    assert spec.rates(LOOKUP) == pytest.approx([PRIOR] * 3)
+    assert spec.rates(LOOKUP, low) == pytest.approx(low)
+    assert spec.expected(LOOKUP, 2, low) == pytest.approx(1 + 0.1 + 0.1 * 0.05)
+    for _ in range(30):
+        spec.observe(LOOKUP, 3, 3)
+    assert all(a > 0.8 for a in spec.rates(LOOKUP, low))
+
+
+def test_decay_and_count_make_an_observation():
+    a, b = AdaptiveK(3), AdaptiveK(3)
+    for accepted in (0, 2, 3, 1):
+        a.observe(DRAFT, 3, accepted)
+        b.decay(DECAY)
+        b.count(DRAFT, 3, accepted)
+    assert a.rates(DRAFT) == b.rates(DRAFT)
+    b.count(None, 3, 3)  # nothing proposed: nothing counted
+    b.count(DRAFT, 0, 0)
+    assert a.rates(DRAFT) == b.rates(DRAFT)
+
+
 def test_a_simulated_request_settles_and_recovers():
     """Acceptance driven by choose: a request whose lookups stop paying falls to K = 0, then
     after its text turns repetitive again reaches the full K."""

@@ -23,6 +23,7 @@ from models.loader import load_pair
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
 from protos.validation import Receiver, validate_decode_request
+from sampling.proposal import DRAFT, LOOKUP, PREFILL
 from tests.models.hf_fixtures import make_family_checkpoint, make_tokenizer
 from tests.nodes.conftest import cluster, wait_until
 
@@ -226,28 +227,47 @@ def test_the_batch_gate_prices_model_drafts_and_never_moves_a_seeded_row(pair, s
     assert gated == run(pair, seeded, scheduling, method="hybrid")
 
 
-@pytest.mark.parametrize("scheduling", ["on", "off"])
-def test_rows_the_gate_holds_keep_the_acceptance_they_showed(pair, scheduling):
-    """A step the batch gate holds at K = 0 is no observation of its rows: their running
-    acceptance does not decay back toward the prior while held, which would make the gate,
-    reading their E(K), let a batch whose drafts do not pay speculate again after a few dozen
-    steps. A step a row itself chose at K = 0 (no gate) still decays it."""
-    prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(method="hybrid")))
+def hybrid_decode(pair, scheduling: str, gate_steps) -> DecodeEngine:
+    """A hybrid decode engine with adaptive K, its gate fed `gate_steps` (speculated, seconds) at batch 4."""
     config = DecodeConfig(
         spec=SpeculativeConfig(max_speculative_tokens=4, method="hybrid"),
         async_scheduling=scheduling,
         step_costs=StepCosts((1.0, 1.2, 1.3, 1.4, 1.5)),
     )
     decode = DecodeEngine(pair, config)
-    gate = decode.policy.gate
-    for speculated, seconds in ((True, 1.0), (True, 1.0), (False, 100.0), (False, 100.0)):  # speculating pays
-        gate.record(4, speculated, seconds)
+    for speculated, seconds in gate_steps:
+        decode.policy.gate.record(4, speculated, seconds)
+    return decode
+
+
+def submit_batch(pair, decode: DecodeEngine, batch) -> list:
+    """`batch` through a hybrid prefill engine and the wire, submitted to `decode`."""
+    prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(method="hybrid")))
     receiver = Receiver.from_contract(pair.contract(), 4)
-    batch = [request(5 + 2 * i, k=4, max_new=80) for i in range(4)]
     submitted = []
     for prefilled in prefill.prefill_many([prefill.check(r) for r in batch]):
         wire = pdspec_pb2.DecodeRequest.FromString(prefilled.decode_request.SerializeToString())
         submitted.append(decode.submit(validate_decode_request(wire, receiver)))
+    return submitted
+
+
+def finish(pair, decode: DecodeEngine, submitted) -> None:
+    for req in submitted:
+        decode.cancel(req)
+    while decode.load:
+        decode.step()
+    assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_rows_the_gate_holds_keep_the_acceptance_they_showed(pair, scheduling):
+    """A step the batch gate holds at K = 0 is no observation of its rows: their running
+    acceptance does not decay back toward the prior while held, which would make the gate,
+    reading their E(K), let a batch whose drafts do not pay speculate again after a few dozen
+    steps. A step a row itself chose at K = 0 (no gate) still decays it."""
+    decode = hybrid_decode(pair, scheduling, ((True, 1.0), (True, 1.0), (False, 100.0), (False, 100.0)))
+    gate = decode.policy.gate  # speculating steps measured the faster kind
+    submitted = submit_batch(pair, decode, [request(5 + 2 * i, k=4, max_new=80) for i in range(4)])
     for _ in range(8):
         decode.step()
     rows = [decode.policy._rows[r.seq].adaptive for r in submitted]
@@ -266,11 +286,32 @@ def test_rows_the_gate_holds_keep_the_acceptance_they_showed(pair, scheduling):
     for row in rows:
         row.observe(None, 0, 0)
     assert [row.rates("draft") for row in rows] != shown
-    for req in submitted:
-        decode.cancel(req)
-    while decode.load:
-        decode.step()
-    assert pair.target.pool.used_blocks == 0 and pair.draft.pool.used_blocks == 0
+    finish(pair, decode, submitted)
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_the_gate_prices_newcomers_at_what_the_nodes_rows_showed(pair, scheduling):
+    """A row that has shown nothing yet (its first step verifies the prefill node's proposal) is
+    priced by the gate at the acceptance the node's rows showed lately, not at the prior: where
+    a speculating step costs 1.5 K = 0 steps, a batch of newcomers speculates on a fresh node
+    (the prior's E(4) is 1.94 tokens) and is held at K = 0 on one whose proposals were rejected."""
+    costs = ((True, 1.5), (True, 1.5), (False, 1.0), (False, 1.0))
+    batch = [request(5 + 2 * i, k=4, max_new=40) for i in range(4)]
+    fresh = hybrid_decode(pair, scheduling, costs)
+    submitted = submit_batch(pair, fresh, batch)
+    fresh.step()
+    fresh.step()
+    assert all(r.seq.stats.verify_steps > 0 for r in submitted)
+    finish(pair, fresh, submitted)
+    taught = hybrid_decode(pair, scheduling, costs)
+    for source in (PREFILL, LOOKUP, DRAFT):
+        for _ in range(50):
+            taught.policy.shown.count(source, 4, 0)  # every proposal rejected at its first draft
+    submitted = submit_batch(pair, taught, batch)
+    for _ in range(10):
+        taught.step()
+    assert [r.seq.stats.verify_steps for r in submitted] == [0] * 4
+    finish(pair, taught, submitted)
 
 
 @pytest.mark.parametrize("scheduling", ["on", "off"])
