@@ -134,6 +134,17 @@ class AdaptiveK:
                 best_k, best_rate = k, rate
         return best_k
 
+    def admitted(self, source: str, k: int, floor: float, prior: list[float] | None = None) -> int:
+        """Of k drafts from `source`, how many to verify: those whose chance of adding a token
+        (every draft up to them accepted) is at least `floor` (`BatchGate.floor`; `prior`: as in
+        `rates`). The chance falls with the position, so they are the first ones."""
+        reach = 1.0
+        for j, a in enumerate(self.rates(source, prior)[:k]):
+            reach *= a
+            if reach < floor:
+                return j
+        return k
+
     def pays_to_wait(self, source: str, k: int, costs: StepCosts) -> bool:
         """With async scheduling: whether a row that could draft `k` from `source` after the step
         in flight should make the step after it wait for that step's token (the proposal needs
@@ -177,19 +188,29 @@ class BatchGate:
     own E(K)) per second beat one token per row per K = 0 step; every `PROBE_EVERY` steps it
     runs `PROBE_STEPS` of the other kind, so a change in either time is seen. A step right
     after one of the other kind is not timed: the first queued K = 0 step also reads nothing
-    yet, and the first speculating one waits for the K = 0 step still in flight. The engine
-    gates only rows whose tokens do not depend on K (point-mass proposals verified by coupling,
+    yet, and the first speculating one waits for the K = 0 step still in flight. Within a step it
+    lets speculate, a draft is verified only if it is likely enough to add a token (`floor`:
+    what a drafted token adds to the step's time, fitted on the speculating steps' times over
+    their drafted tokens, against what a token takes at K = 0), so the rows whose drafts do not
+    pay at this batch size run at K = 0 beside those whose drafts do. The engine gates only rows
+    whose tokens do not depend on K (point-mass proposals verified by coupling,
     sampling/verifier.py): a seeded row's tokens may not depend on what else is in the batch."""
 
     PROBE_EVERY = 64  # steps between probes of the other kind, at least
     PROBE_STEPS = 3
     PROBE_SHARE = 0.05  # of the time at K = 0, the most that probing a slower speculating step may take
     SMOOTHING = 0.25  # weight of the newest step in a time
+    FIT_SMOOTHING = 0.1  # weight of the newest speculating step in the fit of its time on its drafts
+    FIT_STEPS = 8  # speculating steps fitted before the fit is used
+    FIT_SPREAD = 1.0  # the least variance of their drafted tokens (tokens^2) that tells a slope
 
     def __init__(self) -> None:
         self._times: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> seconds per step
         self._since: dict[int, int] = {}  # bucket -> steps since the other kind last ran
         self._last: tuple[int, bool] | None = None  # the kind of the step before
+        # bucket -> speculating steps fitted, and the weighted means of D, S, D^2 and D*S (D: drafted
+        # tokens, S: seconds)
+        self._fit: dict[int, list[float]] = {}
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -233,14 +254,36 @@ class BatchGate:
         self._since[bucket] = 0 if since >= every + self.PROBE_STEPS else since
         return speculate != probe
 
-    def record(self, batch: int, speculated: bool, seconds: float) -> None:
-        """The wall time of one step of `batch` rows."""
+    def record(self, batch: int, speculated: bool, seconds: float, drafted: int = 0) -> None:
+        """The wall time of one step of `batch` rows that verified `drafted` drafts in all."""
         key = (self.bucket(batch), speculated)
         last, self._last = self._last, key
         if last != key or seconds <= 0:
             return
         old = self._times.get(key)
         self._times[key] = seconds if old is None else old + self.SMOOTHING * (seconds - old)
+        if speculated:
+            fit = self._fit.setdefault(key[0], [0.0] * 5)
+            fit[0] += 1
+            weight = max(self.FIT_SMOOTHING, 1 / fit[0])
+            for i, value in enumerate((drafted, seconds, drafted * drafted, drafted * seconds), start=1):
+                fit[i] += weight * (value - fit[i])
+
+    def floor(self, batch: int) -> float:
+        """The least chance a draft must have of adding a token (its row's drafts up to it all
+        accepted) to pay for its verification in a speculating step of `batch` rows: the seconds
+        a drafted token adds to that step (the slope of the step's time over its drafted tokens,
+        fitted on the steps this node ran) over the seconds a token takes at K = 0 (a K = 0
+        step's time over `batch`). 0 (every draft pays) until both are known."""
+        bucket = self.bucket(batch)
+        fit, plain = self._fit.get(bucket), self._times.get((bucket, False))
+        if fit is None or plain is None or fit[0] < self.FIT_STEPS:
+            return 0.0
+        _, d, s, dd, ds = fit
+        spread = dd - d * d
+        if spread < self.FIT_SPREAD:
+            return 0.0
+        return max(0.0, (ds - d * s) / spread) / (plain / batch)
 
 
 def calibrate(target: CausalLM, draft: CausalLM | None, verifier: Verifier, max_k: int, queued: bool) -> StepCosts:

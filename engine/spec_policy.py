@@ -49,7 +49,7 @@ class _Row:
     adaptive: AdaptiveK | None  # None: the row drafts its own K every step
     hit: bool = True  # a match worth drafting after the last step (match-driven proposers)
     may_draft: bool = True  # the same after the step before
-    gain: float = 1.0  # the tokens the next step expects if it drafts (adaptive K's E(K))
+    planned: tuple[str, int] = ("", 0)  # the source and K adaptive K chose when the context last grew
     gated: bool = False  # the batch gate held the row's latest step at K = 0
 
 
@@ -74,6 +74,8 @@ class SpecPolicy:
         self.shown = AdaptiveK(spec.max_speculative_tokens)
         self._rows: dict[Sequence, _Row] = {}
         self._gated: tuple[int, bool] | None = None  # (rows, speculated) of this step, when the gate chose it
+        self._floor = 0.0  # BatchGate.floor of this step's batch: the drafts a gated step verifies
+        self._drafted = 0  # drafts this step verifies, for the gate's fit
 
     # -- rows ---------------------------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
@@ -107,7 +109,9 @@ class SpecPolicy:
             )
         )
         held = False
+        self._floor, self._drafted = 0.0, 0
         if gateable:
+            self._floor = self.gate.floor(len(seqs))
             expected = sum(self._gain(s, s in unread) for s in seqs)
             held = not pipelines and not self.gate.allows(len(seqs), expected)
             self._gated = (len(seqs), not (pipelines or held))
@@ -125,16 +129,18 @@ class SpecPolicy:
 
     def choose(self, seqs: list[Sequence], hold: bool) -> StepChoice:
         """A synchronous step's drafting: each row past its first step proposes the K its running
-        acceptance pays for (adaptive K) or its own K; nothing when the step is held (`hold`)."""
+        acceptance pays for (adaptive K) or its own K; nothing when the step is held (`hold`). In
+        a step the gate let speculate, a row verifies only the drafts likely enough to add a
+        token to pay for their verification at this batch size (`BatchGate.floor`)."""
         own = [s for s in seqs if not s.first_step and s.k]
         caps = [0 if hold or self._idle(s) else s.k for s in own]
         chosen: dict[Sequence, tuple[Plan, int]] = {}
         for seq, plan in zip(own, self.proposer.plan(own, caps), strict=True):
             adaptive = self._rows[seq].adaptive
-            chosen[seq] = plan, plan.limit if adaptive is None else adaptive.choose(plan.source, plan.limit, self.costs)
-        return StepChoice(
-            [chosen[s][0] if s in chosen else None for s in seqs], [chosen[s][1] if s in chosen else 0 for s in seqs]
-        )
+            chosen[seq] = plan, plan.limit if adaptive is None else self._depth(adaptive, plan.source, plan.limit)
+        depths = [chosen[s][1] if s in chosen else 0 for s in seqs]
+        self._drafted = sum(depths) + sum(len(s.received.token_ids) for s in seqs if s.first_step and not hold)
+        return StepChoice([chosen[s][0] if s in chosen else None for s in seqs], depths)
 
     def calibrate(self, target: CausalLM, draft: CausalLM | None, verifier: Verifier, measure: bool) -> StepCosts:
         """Measure adaptive K's cost table on these models (`engine/adaptive.calibrate`), as this
@@ -155,7 +161,7 @@ class SpecPolicy:
         """The wall time of this step, for the batch gate when it chose the step's kind."""
         if self._gated is not None:
             rows, speculated = self._gated
-            self.gate.record(rows, speculated, seconds)
+            self.gate.record(rows, speculated, seconds, self._drafted)
             self._gated = None
 
     # -- what a step showed ---------------------------------------------------------------
@@ -192,11 +198,20 @@ class SpecPolicy:
         row = self._rows[seq]
         if seq.first_step:  # the prefill's proposal, at the acceptance the node's newcomers have shown
             return row.adaptive.expected(PREFILL, len(seq.received.token_ids), self.shown.rates(PREFILL))
-        if self.proposer.match_driven:  # priced when its context last grew (`_hit`)
-            return 1.0 if self._idle(seq, in_flight) else row.gain
-        plan = self.proposer.plan([seq], [seq.k])[0]
-        k = row.adaptive.choose(plan.source, plan.limit, self.costs)
-        return row.adaptive.expected(plan.source, k, self.shown.rates(plan.source))
+        if self.proposer.match_driven:  # chosen when its context last grew (`_hit`)
+            if self._idle(seq, in_flight):
+                return 1.0
+            source, k = row.planned
+        else:
+            plan = self.proposer.plan([seq], [seq.k])[0]
+            source, k = plan.source, row.adaptive.choose(plan.source, plan.limit, self.costs)
+        shown = self.shown.rates(source)
+        return row.adaptive.expected(source, row.adaptive.admitted(source, k, self._floor, shown), shown)
+
+    def _depth(self, adaptive: AdaptiveK, source: str, limit: int) -> int:
+        """A row's K: what adaptive K pays for, of which this step's floor admits the first ones."""
+        k = adaptive.choose(source, limit, self.costs)
+        return adaptive.admitted(source, k, self._floor, self.shown.rates(source)) if self._floor else k
 
     def _batch_free(self, seq: Sequence) -> bool:
         """Whether the row's tokens may depend on what else is in the batch: not for a seeded
@@ -224,5 +239,5 @@ class SpecPolicy:
         if row.adaptive is None:
             return plan.limit > 0
         k = row.adaptive.choose(plan.source, plan.limit, self.costs) if plan.limit else 0
-        row.gain = row.adaptive.expected(plan.source, k, self.shown.rates(plan.source))
+        row.planned = plan.source, k
         return k > 0 and (not self.pipelined or row.adaptive.pays_to_wait(plan.source, k, self.costs))

@@ -366,6 +366,35 @@ def test_the_slower_kind_is_probed_at_a_bounded_cost_and_the_times_follow_it():
     assert plain_probes.count(True) == 2 * BatchGate.PROBE_STEPS  # the slower K = 0 is probed every PROBE_EVERY
 
 
+def test_the_floor_is_a_drafted_tokens_seconds_over_a_k0_tokens():
+    """Speculating steps of 8 rows cost 0.5 s + 0.1 s per drafted token; a K = 0 step 1 s, so a
+    token takes 1/8 s at K = 0 and a draft pays only if it adds a token with a chance of at
+    least 0.1 / (1/8) = 0.8. Until enough steps with different drafts are fitted: 0."""
+    gate = BatchGate()
+    assert gate.floor(8) == 0.0
+    steps(gate, 8, False, 1.0)
+    drafted = [4, 12, 8, 20, 16, 6, 10, 14, 18, 2] * 3
+    for d in drafted[: BatchGate.FIT_STEPS - 1]:
+        gate.record(8, True, 0.5 + 0.1 * d, d)
+    assert gate.floor(8) == 0.0  # the first speculating step after K = 0 ones is not timed: too few
+    for d in drafted:
+        gate.record(8, True, 0.5 + 0.1 * d, d)
+    assert gate.floor(8) == pytest.approx(0.8)
+    assert gate.floor(3) == 0.0  # another bucket: nothing fitted there
+    same = BatchGate()  # every step drafted as many: no slope to tell
+    steps(same, 8, False, 1.0)
+    for _ in range(20):
+        same.record(8, True, 2.0, 10)
+    assert same.floor(8) == 0.0
+
+
+def test_admitted_drafts_are_those_likely_enough_to_add_a_token():
+    spec = AdaptiveK(4)
+    rates = [0.9, 0.8, 0.5, 0.5]  # reach 0.9, 0.72, 0.36, 0.18
+    assert [spec.admitted(DRAFT, 4, floor, rates) for floor in (0.0, 0.2, 0.5, 0.8, 0.95)] == [4, 3, 2, 1, 0]
+    assert spec.admitted(DRAFT, 2, 0.0, rates) == 2  # never more than asked
+
+
 # -- waiting for the token in flight (async scheduling) ---------------------------------------
 
 

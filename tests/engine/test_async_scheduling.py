@@ -315,6 +315,36 @@ def test_the_gate_prices_newcomers_at_what_the_nodes_rows_showed(pair, schedulin
 
 
 @pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_in_a_gated_step_only_the_drafts_that_pay_at_this_batch_size_are_verified(pair, scheduling):
+    """Where a drafted token adds 0.1 s to a step of 4 rows and a K = 0 token takes 0.25 s, a
+    draft must add a token with a chance of 0.4 to pay: in the step the gate lets speculate, a row
+    whose drafts are mostly accepted verifies all 4, and the rows whose first drafts are accepted
+    about a third of the time verify none (K = 0 within the speculating step), though at batch 1
+    adaptive K would draft for them (a verify of 2 tokens costs 1.2 K = 0 steps there)."""
+    decode = hybrid_decode(pair, scheduling, ())
+    submitted = submit_batch(pair, decode, [request(5 + 2 * i, k=4, max_new=40) for i in range(4)])
+    decode.step()  # the first step: the prefill's proposals
+    rows = [decode.policy._rows[r.seq].adaptive for r in submitted]
+    for i, row in enumerate(rows):
+        for source in (LOOKUP, DRAFT):
+            for j in range(20):
+                row.count(source, 4, 4 if i == 0 else int(j % 3 == 0))
+    decode.policy.gate = gate = BatchGate()
+    steps = [(False, 1.0), (False, 1.0)] + [(True, 0.1 * d + 0.1, d) for d in (30, 2, 20, 6, 16, 10, 12, 4, 8, 3)]
+    for kind, seconds, *drafted in steps:
+        gate.record(4, kind, seconds, *drafted)
+    assert gate.floor(4) == pytest.approx(0.4)
+    for row in rows[1:]:  # at batch 1 their drafts would pay
+        assert row.choose(DRAFT, 4, decode.policy.costs) > 0 and row.rates(DRAFT)[0] < 0.4
+    before = [list(r.seq.stats.chosen_k) for r in submitted]
+    decode.step()
+    after = [r.seq.stats.chosen_k for r in submitted]
+    chosen = [[a - b for a, b in zip(now, old, strict=True)] for now, old in zip(after, before, strict=True)]
+    assert chosen == [[0, 0, 0, 0, 1]] + [[1, 0, 0, 0, 0]] * 3
+    finish(pair, decode, submitted)
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
 def test_seeded_sampled_prompt_lookup_draws_the_k0_tokens(pair, scheduling):
     """A seeded sampled request emits the same tokens whatever K prompt lookup drafts (coupling):
     as at K = 0, for a repetitive prompt whose drafts are often accepted and often rejected."""
