@@ -524,9 +524,10 @@ def run_server(
     """Load the models, start serving; NOT_SERVING is reported until both are done."""
     pin_torch_threads(config.torch_threads, "decode")
     config.models.check_memory()
+    before = config.models.reserved()
     pair = paged_pair(
         (pair_loader or config.models.load)(),
-        config.models.kv_budget(),
+        config.models.kv_budget(before),
         eager=config.models.enforce_eager,
         attention=config.models.attention_backend,
         capture=config.models.graph_capture(

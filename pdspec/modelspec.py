@@ -117,17 +117,24 @@ class ModelSpec:
                 share_error(self.gpu_memory_utilization, device, total, wanted, free, "only this much is free:")
             )
 
-    def kv_budget(self) -> int:
-        """The KV pool's bytes: --kv-cache-bytes, else on a GPU the share less what this process
-        holds already (its weights); the CUDA context and the captured graphs come on top, in
-        what the shares of the processes on the device leave."""
+    def reserved(self) -> int:
+        """What this process holds on the device now (0 off a GPU): taken before loading, so
+        that `kv_budget` counts only what the node itself loaded."""
+        device = torch.device(self.device)
+        return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+
+    def kv_budget(self, reserved_before: int = 0) -> int:
+        """The KV pool's bytes: --kv-cache-bytes, else on a GPU the share less what this node
+        holds already (its weights: what this process holds beyond `reserved_before`, the
+        other node's when both run in one process); the CUDA context and the captured graphs
+        come on top, in what the shares of the processes on the device leave."""
         if self.kv_cache_bytes is not None:
             return self.kv_cache_bytes
         device = torch.device(self.device)
         if device.type != "cuda":
             return CPU_KV_BYTES
         free, total = torch.cuda.mem_get_info(device)
-        held = torch.cuda.memory_reserved(device)
+        held = torch.cuda.memory_reserved(device) - reserved_before
         wanted = int(self.gpu_memory_utilization * total)
         budget = wanted - held
         if budget <= 0:

@@ -312,9 +312,10 @@ def run_server(
 ) -> Iterator[RunningPrefillNode]:
     pin_torch_threads(config.torch_threads, "prefill")
     config.models.check_memory()
+    before = config.models.reserved()
     pair = paged_pair(
         (pair_loader or config.models.load)(),
-        config.models.kv_budget(),
+        config.models.kv_budget(before),
         eager=config.models.enforce_eager,
         attention=config.models.attention_backend,
         capture=config.models.graph_capture(max_k=config.engine.spec.max_speculative_tokens, decode=False),

@@ -159,6 +159,23 @@ def test_the_memory_share_is_this_process_s_own(monkeypatch, free_gib, held_gib,
     assert ModelSpec(device="cuda", kv_cache_bytes=GIB).kv_budget() == GIB  # an explicit pool is not a share
 
 
+def test_the_share_counts_only_what_this_node_loaded(monkeypatch):
+    """Two nodes in one process (the benchmarks' in-process harness): what the process held
+    before this node loaded, the other node's weights and pool, is not this node's."""
+    import torch
+
+    from pdspec.modelspec import GIB, MemoryShareError, ModelSpec
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * GIB, 100 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 60 * GIB)
+    spec = ModelSpec(device="cuda", gpu_memory_utilization=0.3)
+    assert spec.reserved() == 60 * GIB
+    assert spec.kv_budget(55 * GIB) == (30 - 5) * GIB  # 5 GiB of its own weights
+    with pytest.raises(MemoryShareError, match=r"this node's weights alone take 60\.0 GiB"):
+        spec.kv_budget()
+    assert ModelSpec(device="cpu").reserved() == 0
+
+
 def test_generate_with_a_json_schema_file(nodes, capsys, tmp_path):
     _, prefill, _ = nodes
     schema = {
