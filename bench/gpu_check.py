@@ -99,7 +99,13 @@ BUDGETS = {
     # three tests, each starting both nodes as processes on a 3-layer Llama: on an H100 the third
     # was still running when a 140 s budget ran out, and took 36 s alone
     "serve-tests": 240,
+    # both nodes started by the launcher on SmolLM2 (measuring their step costs and capturing
+    # their graphs), then the OpenAI API at batch 1, 16 and 64, greedy and seeded T = 0.7, each
+    # request with the default and K = 0 alternated: ~6 min on an H200 for 2 rounds, so the
+    # benchmark's own --budget (this less API_MARGIN) ends it after the cells that fit
+    "api": 360,
 }
+API_MARGIN = 90  # of the api step's budget: the nodes' start and the cell running when its --budget ends
 STEPS = tuple(BUDGETS)
 DEADLINE = 510  # 8.5 min: with the wheels' install and the interpreter's start, one call ends within 9
 LAST_START = 15  # a step needs at least this many seconds left to start
@@ -234,6 +240,25 @@ def e2e_step(args: argparse.Namespace, scratch: Path) -> tuple[list[Run], Callab
         return {"rows": json.loads(rows.read_text())} if rows.is_file() else {}
 
     return [Run([*command, "--json", str(rows)])], figures
+
+
+def api_step(args: argparse.Namespace, scratch: Path, budget: float) -> tuple[list[Run], Callable]:
+    """bench/api_speedup.py as users meet it: `pdspec serve` with the launcher's defaults on
+    SmolLM2 (--smoke: the built-in pair), default against K = 0 through the OpenAI API."""
+    rows = scratch / "api.json"
+    if args.smoke:
+        flags, env = ["--smoke", "--batches", "1,2", "--temperatures", "0", "--rounds", "2"], {}
+    else:
+        flags = ["--device", args.device, "--batches", "1,16,64", "--temperatures", "0,0.7", "--rounds", "2"]
+        flags += ["--prompts-per-group", "4", "--max-new-tokens", "128", "--start-timeout", "150"]
+        flags += ["--budget", str(max(0, budget - API_MARGIN))]
+        env = {"PDSPEC_TARGET_MODEL": str(args.smollm2)}
+    command = [sys.executable, str(BENCH / "api_speedup.py"), *flags, "--json", str(rows)]
+
+    def figures(done: list[dict]) -> dict:
+        return json.loads(rows.read_text()) if rows.is_file() else {}
+
+    return [Run(command, ROOT, env)], figures
 
 
 def speedup_step(args: argparse.Namespace, scratch: Path) -> tuple[list[Run], Callable]:
@@ -474,7 +499,7 @@ def main() -> None:
         else:
             args.smollm2, why = carried_smollm2()
             if why:
-                reasons["speedup"] = why
+                reasons["speedup"] = reasons["api"] = why
     env |= {"device": args.device, "smoke": str(args.smoke), "smollm2": str(args.smollm2)}
     out = args.out or results_dir()
     path = write_results("gpu-check", env, {}, "", out)
@@ -488,6 +513,7 @@ def main() -> None:
         "acceptance": lambda: acceptance_step(args, scratch),
         "e2e": lambda: e2e_step(args, scratch),
         "serve-tests": lambda: pytest_step("serve-tests", args, scratch),
+        "api": lambda: api_step(args, scratch, budgets["api"]),
     }
     steps: list[dict] = []
     rows: dict = {}

@@ -16,18 +16,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-STEPS = ["kernel-tests", "engine-tests", "eagle-tests", "speedup", "acceptance", "e2e", "serve-tests"]
+STEPS = ["kernel-tests", "engine-tests", "eagle-tests", "speedup", "acceptance", "e2e", "serve-tests", "api"]
 
 
 @pytest.fixture(scope="module")
 def check(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
-    """One smoke run: speedup against a baseline and acceptance; serve-tests with a budget too
-    short for pytest to start; the rest not asked for."""
+    """One smoke run: speedup against a baseline, acceptance and the API; serve-tests with a
+    budget too short for pytest to start; the rest not asked for."""
     out = tmp_path_factory.mktemp("gpu-check")
     command = [sys.executable, str(SCRIPT), "--device", "cpu", "--smoke", "--out", str(out)]
-    command += ["--only", "speedup,acceptance,serve-tests", "--budget", "serve-tests=1", "--baseline-tree", str(ROOT)]
+    command += ["--only", "speedup,acceptance,serve-tests,api", "--budget", "serve-tests=1"]
+    command += ["--baseline-tree", str(ROOT)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # beside the test workers, not spinning against them
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=420, env=env)
     (results,) = out.glob("gpu-check-cpu-*.json")
     return done, json.loads(results.read_text()), results
 
@@ -41,7 +42,7 @@ def test_the_results_file_names_the_machine_versions_commit_date_and_command(che
     assert "gpu" not in env and env["device"] == "cpu"
     assert path.name == f"gpu-check-cpu-{env['date'][:10]}-{env['commit']}.json"
     assert "gpu_check.py" in env["command"] and "--smoke" in env["command"]
-    assert path.with_suffix(".log").read_text().count("=====") == 4  # two speedup runs, acceptance, serve-tests
+    assert path.with_suffix(".log").read_text().count("=====") == 5  # two speedup runs, acceptance, serve-tests, api
 
 
 def test_each_step_is_run_skipped_or_killed_at_its_budget(check):
@@ -56,6 +57,10 @@ def test_each_step_is_run_skipped_or_killed_at_its_budget(check):
     assert results["rows"]["passed"] is False and done.returncode == 1
     rows = steps["acceptance"]["figures"]["rows"]
     assert [r["k"] for r in rows] == [0, 4] and all(r["outputs_equal_k0"] for r in rows)
+    assert steps["api"]["status"] == "passed", steps["api"].get("output_tail")
+    api = steps["api"]["figures"]["rows"]
+    assert [r["batch"] for r in api if r["group"] == "chat"] == [1, 2]
+    assert all(r["tokens_per_s_default"] > 0 and r["tokens_per_s_k0"] > 0 for r in api)
 
 
 def test_speedup_runs_both_trees_and_compares_them(check):
