@@ -2,10 +2,13 @@
 
     python bench/decode_step.py [--device cuda] [--shape llama3-8b] [--batches 1,8] [--k 0,4]
                                 [--scheduling off,on] [--smoke]
+        [--target-model GGUF|DIR --draft-model DIR --method hybrid --temperatures 0,0.7]
 
-The decode engine alone (no gRPC): `--batches` greedy requests with a 256-token context,
-prefilled by the real prefill engine, decoded by the real DecodeEngine (K draft tokens per
-step from the 1-layer layer-skip draft of the random-weight checkpoint). Per configuration:
+The decode engine alone (no gRPC): `--batches` requests with a 256-token context, prefilled by
+the real prefill engine, decoded by the real DecodeEngine (K draft tokens per step from the
+1-layer layer-skip draft of the random-weight checkpoint, or with `--target-model` a real
+checkpoint and `--draft-model` its draft or hidden-state head, proposing by `--method`), greedy
+or, per `--temperatures` above 0, sampled and seeded. Per configuration:
 * the weight-bytes floor (the target's weights / the copy bandwidth, as bench/gpu_e2e.py's) against
   the K = 0 step;
 * the wall time of one engine step: the median time between consecutive `step()` returns in a
@@ -57,15 +60,21 @@ from protos import pdspec_pb2
 from protos.validation import Receiver, validate_decode_request
 
 
-def engine_steps(pair: ModelPair, device: str, batch: int, k: int, context: int, steps: int, scheduling: str):
+def engine_steps(
+    pair: ModelPair,
+    device: str,
+    batch: int,
+    k: int,
+    context: int,
+    steps: int,
+    scheduling: str,
+    method: str = "draft",
+    temperature: float = 0.0,
+):
     """(median seconds per step, device ms and kernels per step or None, top host functions)."""
-    prefill = PrefillEngine(pair, PrefillConfig(device=device))
-    config = DecodeConfig(
-        spec=SpeculativeConfig(max_speculative_tokens=max(k, 1)),
-        device=device,
-        max_batch=batch,
-        async_scheduling=scheduling,
-    )
+    spec = SpeculativeConfig(max_speculative_tokens=max(k, 1), method=method)
+    prefill = PrefillEngine(pair, PrefillConfig(spec=spec, device=device))
+    config = DecodeConfig(spec=spec, device=device, max_batch=batch, async_scheduling=scheduling)
     decode = DecodeEngine(pair, config)
     receiver = Receiver.from_contract(pair.contract(), max(k, 1))
 
@@ -74,10 +83,15 @@ def engine_steps(pair: ModelPair, device: str, batch: int, k: int, context: int,
             pdspec_pb2.GenerateRequest(
                 prompt_token_ids=[(7 * i + j) % (pair.target.vocab_size - 2) + 1 for j in range(context)],
                 num_speculative_tokens=k,
-                sampling=pdspec_pb2.SamplingParams(do_sample=False, max_new_tokens=tokens),
+                sampling=pdspec_pb2.SamplingParams(
+                    do_sample=temperature > 0, temperature=temperature or 1.0, max_new_tokens=tokens
+                ),
             )
             for i in range(count)
         ]
+        if temperature > 0:
+            for i, request in enumerate(requests):
+                request.sampling.seed = i
         for prefilled in prefill.prefill_many([prefill.check(r) for r in requests]):
             wire = pdspec_pb2.DecodeRequest.FromString(prefilled.decode_request.SerializeToString())
             decode.submit(validate_decode_request(wire, receiver))
@@ -131,15 +145,28 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="the tiny shape (CPU is fine)")
+    parser.add_argument("--target-model", default=None, help="a real checkpoint (default: the random --shape)")
+    parser.add_argument("--draft-model", default=None, help="its draft or hidden-state head (with --target-model)")
+    parser.add_argument("--method", default="draft", help="--speculative-method of both engines")
+    parser.add_argument("--temperatures", default="0", help="0: greedy; above: sampled, seeded")
     args = parser.parse_args()
     if args.smoke:
         args.shape, args.context, args.steps = "smoke", 32, 5
     device = args.device
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.k.split(",")]
-    target = random_model(args.shape, device)
-    tokens = max(batches) * (args.context + 2 * args.steps + 64)
-    raw = random_pair(target)
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    tokens = max(batches) * (args.context + 2 * args.steps + 64) * (max(ks) + 1)
+    if args.target_model:
+        from pdspec.modelspec import ModelSpec
+
+        models = ModelSpec(target_model=args.target_model, draft_model=args.draft_model, device=device)
+        raw = models.load()
+        target = raw.target
+        args.shape = Path(args.target_model).name
+    else:
+        target = random_model(args.shape, device)
+        raw = random_pair(target)
     pair = paged_pair(raw, tokens * (bytes_per_token(raw.target) + bytes_per_token(raw.draft)))
     forward_lm = paged(target, tokens)
     env = environment()
@@ -147,11 +174,15 @@ def main() -> None:
     rows, table = [], []
     for batch in batches:
         forward = step_rows(forward_lm, batch, args.context, 1, device, args.steps)
-        for k, scheduling in itertools.product(ks, args.scheduling.split(",")):
-            step, kernels, top = engine_steps(pair, device, batch, k, args.context, args.steps, scheduling)
+        for k, scheduling, temperature in itertools.product(ks, args.scheduling.split(","), temperatures):
+            step, kernels, top = engine_steps(
+                pair, device, batch, k, args.context, args.steps, scheduling, args.method, temperature
+            )
             outside = step - forward if k == 0 else None  # K > 0 adds a wider verify and the draft
             row = {
                 "shape": args.shape,
+                "method": args.method,
+                "temperature": temperature,
                 "batch": batch,
                 "k": k,
                 "async_scheduling": scheduling,
@@ -167,6 +198,8 @@ def main() -> None:
             table.append(
                 [
                     args.shape,
+                    args.method,
+                    temperature,
                     batch,
                     k,
                     scheduling,
@@ -181,6 +214,8 @@ def main() -> None:
             print(table[-1], flush=True)
     header = [
         "shape",
+        "method",
+        "T",
         "batch",
         "K",
         "async scheduling",
