@@ -2,7 +2,7 @@
 
     python bench/decode_step.py [--device cuda] [--shape llama3-8b] [--batches 1,8] [--k 0,4]
                                 [--scheduling off,on] [--smoke]
-        [--target-model GGUF|DIR --draft-model DIR --method hybrid --temperatures 0,0.7]
+        [--target-model GGUF|DIR (--draft-model DIR | --draft-layers N) --method hybrid --temperatures 0,0.7]
 
 The decode engine alone (no gRPC): `--batches` requests with a 256-token context, prefilled by
 the real prefill engine, decoded by the real DecodeEngine (K draft tokens per step from the
@@ -18,7 +18,9 @@ or, per `--temperatures` above 0, sampled and seeded. Per configuration:
 * the target forward alone at the same batch and width (bench/harness.step_rows: the graph
   replay on a GPU), so step - forward is what the engine adds: drafting, sampling, the
   rejection kernel, metadata, bookkeeping;
-* the device time and count of the kernels of a step (torch.profiler, CUDA only);
+* the tokens each row emits per step (what a step buys: 1 at K = 0);
+* the device time and count of the kernels of a step, and the kernels with the most of it
+  (torch.profiler, CUDA only);
 * the host functions with the most own time per step (cProfile), to say what to cut.
 Writes bench/results/decode_step-*.json.
 """
@@ -71,7 +73,8 @@ def engine_steps(
     method: str = "draft",
     temperature: float = 0.0,
 ):
-    """(median seconds per step, device ms and kernels per step or None, top host functions)."""
+    """(median seconds per step, tokens emitted per row and step, device ms and kernels per step
+    or None, the kernels with the most device time per step, top host functions)."""
     spec = SpeculativeConfig(max_speculative_tokens=max(k, 1), method=method)
     prefill = PrefillEngine(pair, PrefillConfig(spec=spec, device=device))
     config = DecodeConfig(spec=spec, device=device, max_batch=batch, async_scheduling=scheduling)
@@ -102,7 +105,12 @@ def engine_steps(
     submit(batch, (2 * steps + 20) * (k + 1))  # still running after every timed and profiled step
     decode.step()  # admission
     decode.step()
+
+    def emitted() -> int:
+        return sum(len(request.seq.history) for request in decode._active)
+
     times = []
+    before = emitted()
     last = time.perf_counter()
     for _ in range(steps):
         decode.step()
@@ -110,7 +118,8 @@ def engine_steps(
         times.append(now - last)
         last = now
     sync(device)
-    kernels = None
+    per_step = (emitted() - before) / steps / batch  # an async step's tokens land a step late: same rate
+    kernels, heavy = None, []
     if torch.device(device).type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
@@ -120,6 +129,10 @@ def engine_steps(
             sync(device)
         events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         kernels = (sum(e.device_time for e in events) / 5 / 1e3, len(events) / 5)
+        by_name = collections.Counter()
+        for event in events:
+            by_name[event.name[:60]] += event.device_time / 5 / 1e3
+        heavy = by_name.most_common(4)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(5):
@@ -132,7 +145,7 @@ def engine_steps(
     for (file, _line, name), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
         where = f"{Path(file).parent.name}/{Path(file).name}:{name}" if file.startswith("/") else name
         own[where] += tottime / 5
-    return statistics.median(times), kernels, own.most_common(6)
+    return statistics.median(times), per_step, kernels, heavy, own.most_common(6)
 
 
 def main() -> None:
@@ -147,6 +160,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="the tiny shape (CPU is fine)")
     parser.add_argument("--target-model", default=None, help="a real checkpoint (default: the random --shape)")
     parser.add_argument("--draft-model", default=None, help="its draft or hidden-state head (with --target-model)")
+    parser.add_argument("--draft-layers", type=int, default=None, help="or its first N layers (the launcher's 8)")
     parser.add_argument("--method", default="draft", help="--speculative-method of both engines")
     parser.add_argument("--temperatures", default="0", help="0: greedy; above: sampled, seeded")
     args = parser.parse_args()
@@ -160,7 +174,9 @@ def main() -> None:
     if args.target_model:
         from pdspec.modelspec import ModelSpec
 
-        models = ModelSpec(target_model=args.target_model, draft_model=args.draft_model, device=device)
+        models = ModelSpec(
+            target_model=args.target_model, draft_model=args.draft_model, draft_layers=args.draft_layers, device=device
+        )
         raw = models.load()
         target = raw.target
         args.shape = Path(args.target_model).name
@@ -175,7 +191,7 @@ def main() -> None:
     for batch in batches:
         forward = step_rows(forward_lm, batch, args.context, 1, device, args.steps)
         for k, scheduling, temperature in itertools.product(ks, args.scheduling.split(","), temperatures):
-            step, kernels, top = engine_steps(
+            step, per_step, kernels, heavy, top = engine_steps(
                 pair, device, batch, k, args.context, args.steps, scheduling, args.method, temperature
             )
             outside = step - forward if k == 0 else None  # K > 0 adds a wider verify and the draft
@@ -187,11 +203,13 @@ def main() -> None:
                 "k": k,
                 "async_scheduling": scheduling,
                 "step_ms": step * 1e3,
+                "tokens_per_row_step": per_step,
                 "floor_ms": floor * 1e3,
                 "forward_ms": forward * 1e3,
                 "outside_forward_ms": None if outside is None else outside * 1e3,
                 "kernel_ms": None if kernels is None else kernels[0],
                 "kernels": None if kernels is None else kernels[1],
+                "top_kernels_ms": [[name, t] for name, t in heavy],
                 "top_host_ms": [[name, t * 1e3] for name, t in top],
             }
             rows.append(row)
@@ -204,10 +222,12 @@ def main() -> None:
                     k,
                     scheduling,
                     f"{step * 1e3:.2f}",
+                    f"{per_step:.2f}",
                     f"{floor / step:.0%}" if k == 0 else "",
                     f"{forward * 1e3:.2f}",
                     "" if outside is None else f"{outside * 1e3:.2f} ({outside / step:.0%})",
                     "" if kernels is None else f"{kernels[0]:.2f} / {kernels[1]:.0f}",
+                    "; ".join(f"{name} {t:.2f}" for name, t in heavy[:3]),
                     "; ".join(f"{name} {t * 1e3:.2f}" for name, t in top[:3]),
                 ]
             )
@@ -220,10 +240,12 @@ def main() -> None:
         "K",
         "async scheduling",
         "step ms",
+        "tokens / row / step",
         "floor / step (K=0)",
         "forward ms",
         "outside the forward (K=0)",
         "kernel ms / count",
+        "top kernels ms",
         "top host ms",
     ]
     text = markdown_table(header, table)
