@@ -191,7 +191,7 @@ def main() -> None:
     )
     env["model"] = "builtin" if args.builtin else args.model
     report(
-        f"structured_outputs-{env['model']}",
+        f"structured_outputs-{Path(env['model']).stem}",  # a checkpoint path: its file's name
         env,
         {"rows": rows, "identical": identical, "overhead": overhead, "schema": SCHEMA},
         table,

@@ -152,8 +152,15 @@ def batch_meta(
     rows: int | None = None,
     width: int | None = None,
     tree_masks: Sequence[torch.Tensor | None] | None = None,
+    queries: int | None = None,
+    padded: bool = False,
 ) -> BatchMeta:
     """Host metadata for new tokens `new_lengths[r]` in slots seqs[r].length.. .
+
+    padded: the tokens come in the padded `[rows, queries]` row-major layout of a graph
+    bucket (row r's tokens first in its `queries` places, padding after them and in the
+    padding rows); implied where `rows` exceeds the real rows. `queries` (at least the
+    longest row): the bucket's queries per row.
 
     Vectorized over rows: one padded block-table array per batch, every slot computed from
     it by array arithmetic (no per-row tensor work), in numpy: these arrays have tens to a
@@ -170,7 +177,7 @@ def batch_meta(
     live = past + new
     live[real:] = 0
     width = width or int(live.max())
-    queries = max(new_lengths)
+    queries = queries or max(new_lengths)
     longest = max(len(s.blocks) for s in seqs)
     tables = np.zeros((rows, longest), dtype=np.int64)  # [R, B]; padding rows: block 0, the scratch block
     for r, seq in enumerate(seqs):
@@ -194,7 +201,7 @@ def batch_meta(
         if tree is not None:
             allowed[r, : tree.shape[0], : tree.shape[1]] = tree.numpy()
     allowed |= ~valid[:, :, None]  # padding queries attend to everything: no NaN rows
-    if rows > real:  # a graph bucket: uniform rows, tokens in padded (row-major) order
+    if padded or rows > real:  # a graph bucket: tokens in padded (row-major) order
         flat = np.arange(rows * queries)
         query_index = flat.reshape(rows, queries)
         new_slots = new_slots.reshape(-1)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.transfer import HostCopy, pinned, to_device, to_host_async
@@ -43,10 +44,16 @@ log = logging.getLogger(__name__)
 BLOCK_SIZE = 16  # tokens per block: vLLM's default; small enough that waste per request is tiny
 # Forwards where every row brings the same small number of tokens (a decode step: 1; a
 # verify pass: K+1, or a tree's nodes + 1; a draft expanding trees: its frontier) replay a
-# CUDA graph captured for (row bucket, tokens per row, key-width bucket); prompts and
-# ragged catch-ups run eagerly.
+# CUDA graph captured for (row bucket, tokens per row, key-width bucket); ragged batches
+# (rows bringing different numbers of tokens) replay one padded to their longest row;
+# prompts run eagerly.
 MAX_GRAPH_ROWS = 256
 MIN_GRAPH_WIDTH = 256
+# A ragged batch pads into a graph while that runs at most PAD_FACTOR x its tokens, or
+# PAD_TOKENS in all (below ~300 tokens a forward's GEMMs are bound by the weight reads on
+# an H100/H200: padding there costs next to nothing).
+PAD_FACTOR = 4
+PAD_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,20 @@ def capture_keys(batch: int, context: int, queries: Sequence[int], capacity: int
     top = bucket(min(context, capacity), MIN_GRAPH_WIDTH)
     widths = [MIN_GRAPH_WIDTH << i for i in range((top // MIN_GRAPH_WIDTH).bit_length())]
     return list(itertools.product(rows, sorted(set(queries)), widths))
+
+
+def padded_places(lengths: Sequence[int], queries: int) -> torch.Tensor:
+    """[sum(lengths)] int64 host: where each token of a ragged batch sits in a graph bucket's
+    padded [rows, queries] row-major layout (row r's tokens first in its `queries` places)."""
+    valid = np.arange(queries)[None, :] < np.asarray(lengths)[:, None]  # [real, Q]
+    return torch.from_numpy(np.flatnonzero(valid))
+
+
+def pad_rows(values: torch.Tensor, place: torch.Tensor, size: int, fill: int = 0) -> torch.Tensor:
+    """[size]: `values` [N] at `place` [N] (on values' device), `fill` elsewhere (padding
+    tokens: position 0, row length 1, writing the scratch slot)."""
+    out = torch.full((size,), fill, dtype=values.dtype, device=values.device)
+    return out.index_copy_(0, place, values)
 
 
 _CAPTURE_LOCK = threading.Lock()
@@ -257,10 +278,11 @@ class PagedLlamaLM(ChunkedImport):
         )
         positions, seq_lens, masks = meta.positions, meta.seq_lens, meta.masks
         dense = len(set(lengths)) == 1  # every row brings as many tokens
-        uniform = dense and lengths[0] <= MAX_GRAPH_QUERIES and len(seqs) <= MAX_GRAPH_ROWS
+        graphed = self.graphs and not last_only and after_layer is None
+        key = self._graph_key(seqs, lengths) if graphed else None
         with torch.inference_mode():
-            if self.graphs and uniform and not last_only and after_layer is None:
-                replayed = self._replay(seqs, lengths, tokens, positions, seq_lens, masks)
+            if key is not None:
+                replayed = self._replay(key, seqs, lengths, tokens, positions, seq_lens, masks)
                 logits = keep_row_features(states, lengths, replayed)
             else:
                 meta = batch_meta(self.pool, seqs, lengths, window, tree_masks=masks).to(self.device)
@@ -284,29 +306,59 @@ class PagedLlamaLM(ChunkedImport):
             state.tokens += [int(t) for t in row]
         return logits
 
-    def _replay(self, seqs, lengths, tokens, positions, seq_lens, masks) -> torch.Tensor:
-        """The forward of a uniform batch through its captured graph (captured on first use)."""
-        queries, real = lengths[0], len(seqs)
-        rows = bucket(real)
-        width = bucket(max(s.length + queries for s in seqs), MIN_GRAPH_WIDTH)
-        graph = self._graphs.get((rows, queries, width))
+    def _graph_key(self, seqs: Sequence[PagedSeq], lengths: Sequence[int]) -> tuple[int, int, int] | None:
+        """The graph (row bucket, queries per row, key-width bucket) a forward replays, None
+        for an eager one. A uniform batch takes its own key (captured on first use). A ragged
+        one (a verify pass whose rows bring different numbers of draft tokens, a catch-up)
+        pads every row to the fewest queries per row among the graphs captured for its rows
+        and width that hold its longest row (its longest row's, captured now, where none do),
+        while that runs at most `PAD_FACTOR` times its tokens or `PAD_TOKENS` in all: an
+        eager forward costs the host ~10x a replay, a padded token only its GPU work."""
+        longest = max(lengths)
+        if len(seqs) > MAX_GRAPH_ROWS or longest > MAX_GRAPH_QUERIES:
+            return None
+        rows = bucket(len(seqs))
+        width = bucket(max(s.length + n for s, n in zip(seqs, lengths, strict=True)), MIN_GRAPH_WIDTH)
+        if min(lengths) == longest:
+            return rows, longest, width
+        held = (q for r, q, w in self._graphs if r == rows and w == width and q >= longest)
+        queries = min(held, default=longest)
+        if rows * queries > max(PAD_TOKENS, PAD_FACTOR * sum(lengths)):
+            return None
+        return rows, queries, width
+
+    def _replay(self, key, seqs, lengths, tokens, positions, seq_lens, masks) -> torch.Tensor:
+        """The forward of a batch through the graph `key` (captured on first use), its rows
+        padded to the key's shape (`pad_rows`); the outputs of the real tokens, flattened."""
+        graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[(rows, queries, width)] = self._capture(rows, queries, width)
-        pad = (rows - real) * queries
+            graph = self._graphs[key] = self._capture(*key)
+        rows, queries, width = key
         meta = batch_meta(
-            self.pool, seqs, lengths, self.config.sliding_window, rows=rows, width=width, tree_masks=masks
+            self.pool,
+            seqs,
+            lengths,
+            self.config.sliding_window,
+            rows=rows,
+            width=width,
+            tree_masks=masks,
+            queries=queries,
+            padded=True,
         )
+        place = padded_places(lengths, queries)  # [N]
+        at = to_device(place, self.device)
+        size = rows * queries
         graph.fill(
-            torch.nn.functional.pad(tokens, (0, pad)),
-            torch.nn.functional.pad(positions, (0, pad)),
-            torch.nn.functional.pad(seq_lens, (0, pad), value=1),
+            pad_rows(tokens, at if tokens.device.type != "cpu" else place, size),  # drafting: on the device
+            pad_rows(positions, place, size),
+            pad_rows(seq_lens, place, size, fill=1),
             meta,
         )
         graph.graph.replay()
-        logits = graph.logits[: real * queries].to(torch.float32, copy=True)  # the next replay reuses the buffer
+        logits = graph.logits.index_select(0, at).float()  # a copy: the next replay reuses the buffer
         if graph.features is None:
             return logits
-        return logits, graph.features[: real * queries].clone()
+        return logits, graph.features.index_select(0, at)
 
     def _capture(self, rows: int, queries: int, width: int) -> _Graph:
         """Capture with scratch-only inputs (padding everywhere): capture and its warm-up

@@ -207,6 +207,49 @@ def test_graph_bucket_padding_changes_no_real_row(models):
         paged.release(sp)
 
 
+def test_a_ragged_batch_padded_into_a_graph_bucket_changes_no_real_row(models):
+    """Rows bringing 3, 1 and 2 tokens, padded the way a replay fills a (4 rows, 4 queries)
+    graph (each row's tokens first in its places, padding queries and the padding row on the
+    scratch slot): the real tokens' logits are the unpadded ones, and the next tokens of every
+    row find the KV this forward wrote."""
+    from engine.kv_cache import PagedBatch, batch_meta
+    from engine.paged_lm import pad_rows, padded_places
+
+    contiguous, paged = models
+    vocab = contiguous.vocab_size
+    pairs = [
+        (contiguous.prefill(p)[1], paged.prefill(p)[1]) for p in (ids(9, 1, vocab), ids(20, 2, vocab), ids(3, 3, vocab))
+    ]
+    for _, sp in pairs:
+        paged.reserve(sp, len(sp.tokens) + 4)
+    feed, lengths = [[5, 6, 7], [8], [9, 10]], [3, 1, 2]
+    want = contiguous.extend_batch([c for c, _ in pairs], feed)
+    seqs = [p.kv for _, p in pairs]
+    past = [s.length for s in seqs]
+    place = padded_places(lengths, 4)
+    assert place.tolist() == [0, 1, 2, 4, 8, 9]
+    meta = batch_meta(paged.pool, seqs, lengths, paged.config.sliding_window, rows=4, width=256, queries=4, padded=True)
+    tokens = pad_rows(torch.tensor([t for row in feed for t in row]), place, 16)
+    positions = pad_rows(torch.tensor([p + i for p, n in zip(past, lengths, strict=True) for i in range(n)]), place, 16)
+    seq_lens = pad_rows(
+        torch.tensor([p + n for p, n in zip(past, lengths, strict=True) for _ in range(n)]), place, 16, fill=1
+    )
+    assert tokens.tolist()[:6] == [5, 6, 7, 0, 8, 0] and seq_lens[3].item() == 1 and positions[3].item() == 0
+    with torch.inference_mode():
+        padded = paged.module(
+            tokens, positions, PagedBatch(paged.pool, meta, dense=True), num_layers=paged.num_layers, seq_lens=seq_lens
+        )
+    for row, got in enumerate(padded[place].split(lengths)):
+        assert_fp_close(got.float(), want[row], model_roundings(contiguous))
+    for seq, n in zip(seqs, lengths, strict=True):
+        seq.length += n
+    for (c, sp), row in zip(pairs, feed, strict=True):
+        sp.tokens += row
+        next_want = contiguous.extend(c, [11])
+        assert_fp_close(paged.extend(sp, [11]).float(), next_want, model_roundings(contiguous))
+        paged.release(sp)
+
+
 def test_chunked_import_at_any_byte_boundaries_equals_the_export(models):
     """A KV streamed in slices that start and end anywhere (inside an element, a row, a head)
     lands in the pool and the contiguous cache exactly as exported; release mid-import frees it."""
