@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from common.transfer import device_tensor
 from engine.proposer import Plan, Row
 from models.eagle import EagleDraft, HeadState
 from sampling import DraftToTargetMap, SamplingTensors, propose_candidates, stream_uniforms
@@ -98,40 +99,49 @@ class EagleProposer:
             self.draft.extend(behind, ids, features, fused=False)
 
     def draft_rows(self, rows: Sequence[Row], depths: Sequence[int]) -> list[Proposal]:
-        """Every row's chain to its depth (> 0): one head forward to catch up, one per depth."""
+        """Every row's chain to its depth (> 0): one head forward to catch up, one per depth.
+        The depths run on the device, each fed the last one's draws and outputs; the drawn ids
+        come to the host once, at the end."""
         self.catch_up(rows)
         states: list[HeadState] = [row.draft_state for row in rows]
         device = self.d2t.d2t.device
-        longest = max(depths)
         # One uniform per node, for either law: a seeded stream never depends on the law.
         uniforms = stream_uniforms([row.rng for row in rows], depths, device)  # [R, K_max], zero padded
         params = SamplingTensors.from_params([row.params for row in rows], device)
         committed = [len(state.tokens) for state in states]
-        draft_ids: list[list[int]] = [[] for _ in rows]
-        target_ids: list[list[int]] = [[] for _ in rows]
+        logits = torch.stack([state.last[0] for state in states]).to(device)  # [M, Vd]
+        hidden = torch.stack([state.last[1] for state in states])  # [M, H]
         laws: list[list[torch.Tensor]] = [[] for _ in rows]
+        actives, drawn, mapped = [], [], []  # per depth: its rows, their draft and target ids [M]
         active = list(range(len(rows)))
-        for depth in range(longest):
-            logits = torch.stack([states[r].last[0] for r in active]).to(device)  # [M, Vd]
-            draws = uniforms[active, depth : depth + 1]  # [M, 1]
-            sample = propose_candidates(self.law, logits, params.select(active), draws, 1)
-            drawn = sample.token_ids[:, 0]
-            mapped = self.d2t.map_tokens(drawn).tolist()
-            for m, r in enumerate(active):
-                draft_ids[r].append(int(drawn[m]))
-                target_ids[r].append(mapped[m])
-                if sample.probs is not None:
+        while active:
+            depth = len(actives)
+            sample = propose_candidates(self.law, logits, params.select(active), uniforms[active, depth : depth + 1], 1)
+            actives.append(active)
+            drawn.append(sample.token_ids[:, 0])
+            mapped.append(self.d2t.map_tokens(drawn[-1]))
+            if sample.probs is not None:
+                for m, r in enumerate(active):
                     laws[r].append(sample.probs[m, 0])
-            active = [r for r in active if depths[r] > depth + 1]
-            if active:  # the drawn token and the head's own output feed the next depth
-                self.draft.extend(
-                    [states[r] for r in active],
-                    [[target_ids[r][-1]] for r in active],
-                    [states[r].last[1][None] for r in active],
-                    fused=True,
-                )
+            going = [m for m, r in enumerate(active) if depths[r] > depth + 1]
+            if going:  # the drawn token and the head's own output feed the next depth
+                keep = slice(None) if len(going) == len(active) else device_tensor(going, torch.int64, device)
+                active = [active[m] for m in going]
+                logits, hidden = self.draft.draft_step([states[r] for r in active], mapped[-1][keep], hidden[keep])
+            else:
+                active = []
         for state, length in zip(states, committed, strict=True):
             self.draft.truncate(state, length)  # drafted positions: rewritten from the target's features
+        ids = torch.cat([*drawn, *mapped]).tolist()  # the one host read of the chain
+        half = len(ids) // 2
+        draft_ids: list[list[int]] = [[] for _ in rows]
+        target_ids: list[list[int]] = [[] for _ in rows]
+        at = 0
+        for active in actives:
+            for r in active:
+                draft_ids[r].append(ids[at])
+                target_ids[r].append(ids[half + at])
+                at += 1
         out = []
         for r in range(len(rows)):
             parents = list(range(-1, depths[r] - 1))

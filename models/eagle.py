@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from common.transfer import device_tensor
 from models.base import ChunkedImport, GrowingKv, State, end_import
 from models.kv_import import KvWriter
 from models.llama import (
@@ -220,24 +221,43 @@ class EagleDraft(ChunkedImport, GrowingKv):
         the target's features (fused=False: the head fuses them) or the head's own outputs.
         Returns per row the float32 logits [n_r, Vd] and the output hidden [n_r, H]."""
         lengths = [len(row) for row in ids]
-        tokens = torch.tensor([t for row in ids for t in row], dtype=torch.int64, device=self.device)
-        starts = [len(state.tokens) for state in states]
-        positions = torch.tensor(
-            [p for start, n in zip(starts, lengths, strict=True) for p in range(start, start + n)],
-            dtype=torch.int64,
-            device=self.device,
-        )
+        tokens = device_tensor([t for row in ids for t in row], torch.int64, self.device)
         with torch.inference_mode():
             x = torch.cat([h.to(self.device) for h in hidden])
             x = self.head.fuse(x) if not fused else x.to(self.dtype)
-            batch = ContiguousBatch([s.kv for s in states], lengths)
-            logits, out = self.head(tokens, x, positions, batch)
-        batch.commit()
-        self.positions_computed += len(tokens)
+            logits, out = self._forward(states, lengths, tokens, x)
         logits, out = list(logits.float().split(lengths)), list(out.split(lengths))
         for state, row, row_logits, row_out in zip(states, ids, logits, out, strict=True):
             state.tokens += [int(t) for t in row]
             state.last = (row_logits[-1], row_out[-1])
+        return logits, out
+
+    def draft_step(
+        self, states: Sequence[State], tokens: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafted position per row, its inputs already on the device (no host read between
+        depths): tokens [M] int64 target ids, hidden [M, H] the head's previous outputs ->
+        float32 logits [M, Vd], output hidden [M, H]. The positions go into the KV only (the
+        states' tokens and `last` stay the committed ones): `truncate` to the committed length
+        drops them."""
+        with torch.inference_mode():
+            logits, out = self._forward(states, [1] * len(states), tokens, hidden.to(self.dtype))
+        return logits.float(), out
+
+    def _forward(
+        self, states: Sequence[State], lengths: Sequence[int], tokens: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over `lengths[r]` new positions of row r, after its KV's live ones."""
+        starts = [state.kv.length for state in states]
+        positions = device_tensor(
+            [p for start, n in zip(starts, lengths, strict=True) for p in range(start, start + n)],
+            torch.int64,
+            self.device,
+        )
+        batch = ContiguousBatch([s.kv for s in states], lengths)
+        logits, out = self.head(tokens, x, positions, batch)
+        batch.commit()
+        self.positions_computed += len(tokens)
         return logits, out
 
     def extend_batch(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
