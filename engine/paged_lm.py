@@ -308,24 +308,30 @@ class PagedLlamaLM(ChunkedImport):
 
     def _graph_key(self, seqs: Sequence[PagedSeq], lengths: Sequence[int]) -> tuple[int, int, int] | None:
         """The graph (row bucket, queries per row, key-width bucket) a forward replays, None
-        for an eager one. A uniform batch takes its own key (captured on first use). A ragged
-        one (a verify pass whose rows bring different numbers of draft tokens, a catch-up)
-        pads every row to the fewest queries per row among the graphs captured for its rows
-        and width that hold its longest row (its longest row's, captured now, where none do),
-        while that runs at most `PAD_FACTOR` times its tokens or `PAD_TOKENS` in all: an
-        eager forward costs the host ~10x a replay, a padded token only its GPU work."""
+        for an eager one. Its own key where that is captured (every row bringing as many
+        tokens); otherwise every row padded to the fewest queries per row among the graphs
+        captured for its rows and width that hold its longest row, while that runs at most
+        `PAD_FACTOR` times its tokens or `PAD_TOKENS` in all: an eager forward costs the host
+        ~10x a replay, a capture ~10-20x a step (a stall of the whole batch), a padded token
+        only its GPU work. So a verify pass of a K below the captured one (adaptive K), or one
+        whose rows bring different numbers of drafts, replays a start-up graph. Where none
+        fits, a uniform batch captures its own key now, a ragged one its longest row's, within
+        the same bound (else it runs eagerly)."""
         longest = max(lengths)
         if len(seqs) > MAX_GRAPH_ROWS or longest > MAX_GRAPH_QUERIES:
             return None
         rows = bucket(len(seqs))
         width = bucket(max(s.length + n for s, n in zip(seqs, lengths, strict=True)), MIN_GRAPH_WIDTH)
-        if min(lengths) == longest:
+        uniform = min(lengths) == longest
+        if uniform and (rows, longest, width) in self._graphs:
             return rows, longest, width
         held = (q for r, q, w in self._graphs if r == rows and w == width and q >= longest)
         queries = min(held, default=longest)
-        if rows * queries > max(PAD_TOKENS, PAD_FACTOR * sum(lengths)):
-            return None
-        return rows, queries, width
+        if rows * queries <= max(PAD_TOKENS, PAD_FACTOR * sum(lengths)):
+            return rows, queries, width
+        if uniform:
+            return rows, longest, width
+        return None
 
     def _replay(self, key, seqs, lengths, tokens, positions, seq_lens, masks) -> torch.Tensor:
         """The forward of a batch through the graph `key` (captured on first use), its rows

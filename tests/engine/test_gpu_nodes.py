@@ -101,8 +101,9 @@ def test_captured_graphs_equal_eager(gpu_pair):
 
 def test_ragged_batches_replay_padded_graphs_and_equal_eager(gpu_pair):
     """Rows bringing different numbers of tokens (a verify pass after adaptive or per-row K, a
-    catch-up) replay a graph padded to its longest row, or to a wider graph already captured;
-    their logits are the eager engine's."""
+    catch-up), and uniform ones whose own graph is not captured, replay a graph padded to
+    their longest row, or to a wider graph already captured; their logits are the eager
+    engine's."""
     from engine.paged_lm import PagedLlamaLM, bytes_per_token
 
     model = gpu_pair.target
@@ -111,8 +112,9 @@ def test_ragged_batches_replay_padded_graphs_and_equal_eager(gpu_pair):
     prompts = [list(range(2, 10 + 3 * r)) for r in range(3)]
     feeds = [[[4, 5, 6, 7, 8], [4], [4, 5]], [[9], [5, 6, 7], [3]], [[2, 3], [8, 9], [4, 6]]]
     assert_same_logits(graphed, eager, prompts, feeds)
-    # the first feed captured (4 rows, 5 queries); the second padded into it; the third is uniform
-    assert sorted(graphed._graphs) == [(4, 2, 256), (4, 5, 256)] and graphed.pool.used_blocks == 0
+    # the first feed captured (4 rows, 5 queries); the second and the third (uniform, its own
+    # key not captured) padded into it
+    assert sorted(graphed._graphs) == [(4, 5, 256)] and graphed.pool.used_blocks == 0
 
 
 def test_start_up_capture_takes_the_graphs_that_the_steps_replay(gpu_pair):

@@ -5,6 +5,8 @@ in tests/models/test_conformance.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -320,3 +322,37 @@ def test_each_node_hands_its_start_up_capture_to_paged_pair(pair, monkeypatch):
         assert len(client.generate("def ", max_new_tokens=4, seed=1, timeout=10).token_ids) == 4
     assert seen["decode_node.server"] == GraphCapture(4, 512, (1, 3), (1, 2))  # K = 4 > the node's 2: left out
     assert seen["prefill_node.server"] == GraphCapture(16, 512, (), (1,))
+
+
+def test_graph_keys_replay_captured_graphs_before_capturing_new_ones(models):
+    """The graph a forward replays: its own key where captured; else the fewest captured
+    queries per row for its rows and width that hold its longest row (a verify pass of a K
+    below the captured one, a ragged one), within the padding bound; else a new key (uniform,
+    or ragged within the bound) or eager (ragged beyond it)."""
+    from engine.paged_lm import MAX_GRAPH_QUERIES, PAD_TOKENS
+
+    _, paged = models
+    assert not paged._graphs  # the CPU captures none: the keys below stand for captured graphs
+    try:
+        seqs = [SimpleNamespace(length=100) for _ in range(3)]  # rows bucket 4, width bucket 256
+        paged._graphs = dict.fromkeys([(4, 1, 256), (4, 5, 256), (4, 9, 256), (1, 3, 256)])
+        key = paged._graph_key
+        assert key(seqs, [1, 1, 1]) == (4, 1, 256)  # a decode step: its own, captured
+        assert key(seqs, [2, 2, 2]) == (4, 5, 256)  # K = 1 while K = 4 is captured: padded, no capture
+        assert key(seqs, [5, 5, 5]) == (4, 5, 256)
+        assert key(seqs, [6, 1, 2]) == (4, 9, 256)  # ragged: the fewest that hold the longest row
+        assert key(seqs, [10, 10, 10]) == (4, 10, 256)  # none holds it: its own, captured on first use
+        assert key(seqs, [10, 1, 10]) == (4, 10, 256)  # ragged, none holds it: its longest row's
+        assert key(seqs[:1], [2]) == (1, 3, 256)
+        assert key(seqs[:1], [1]) == (1, 3, 256)  # padded too: a replay, not a capture
+        assert key([SimpleNamespace(length=300)] * 3, [2, 2, 2]) == (4, 2, 512)  # another width: its own
+        assert key(seqs, [MAX_GRAPH_QUERIES + 1, 1, 1]) is None
+        # Beyond the bound: a uniform batch captures its own key, a ragged one runs eagerly.
+        rows = PAD_TOKENS // 8  # a row bucket whose only graph has 16 queries: padding 1 -> 16 runs > 256 tokens
+        many = [SimpleNamespace(length=100)] * rows
+        paged._graphs = {(rows, 16, 256): None}
+        assert key(many, [1] * rows) == (rows, 1, 256)
+        assert key(many, [2] + [1] * (rows - 1)) is None
+        assert key(many, [16] * rows) == (rows, 16, 256)
+    finally:
+        paged._graphs = {}
