@@ -201,12 +201,8 @@ class Verifier:
         )
         if any(coupled):  # each context's target token with the uniform of its depth's position
             at = [b for b, c in enumerate(coupled) if c]
-            positions = torch.zeros(len(at), n + 1, dtype=torch.int64)  # past a row: masked below
-            for i, (b, row_parents) in enumerate(zip(at, parents[at].tolist(), strict=True)):
-                depths = [0]  # of each context: the root, then after each node
-                for parent in row_parents[: num_nodes[b]]:
-                    depths.append(depths[parent + 1] + 1)
-                positions[i, : len(depths)] = batch.positions[b] + torch.tensor(depths)
+            first = torch.tensor([batch.positions[b] for b in at])[:, None]  # [C, 1]
+            positions = first + context_depths(parents.cpu()[at])  # [C, N+1]; past a row: masked below
             rows_at = device_tensor(at, torch.int64, self.device)
             drawn_at = position_uniforms([rngs[b] for b in at], positions, self.device)
             uniforms[rows_at, : n + 1] = torch.where(in_row[rows_at], drawn_at, 0.0)
@@ -238,6 +234,18 @@ class Verifier:
             accepted_per_position=torch.arange(n, device=self.device) < accepted[:, None],
         )
         return VerifyResult(result.output_token_ids, emitted, stats, result.accepted_nodes)
+
+
+def context_depths(parents: torch.Tensor) -> torch.Tensor:
+    """parents [R, N] int (host; -1 = the root, a parent before its child) -> [R, N+1] int64:
+    the depth of each context, the root's 0 then each node's, its parent's + 1. One op per
+    node position for all rows, not a Python loop per row: this runs on every tree step."""
+    rows, n = parents.shape
+    depths = torch.zeros(rows, n + 1, dtype=torch.int64)
+    above = parents.long() + 1  # [R, N]: each node's parent's context
+    for j in range(n):
+        depths[:, j + 1] = depths.gather(1, above[:, j : j + 1]).squeeze(1) + 1
+    return depths
 
 
 def _coupled(params: Sequence[SamplingParams], positions: Sequence[int | None] | None, batch: int) -> list[bool]:

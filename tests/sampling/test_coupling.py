@@ -92,3 +92,19 @@ def test_a_coupled_row_needs_its_position_count():
             [PARAMS] * 2,
             [RequestRng(0)] * 2,
         )
+
+
+def test_context_depths_of_chains_trees_and_padding():
+    """The depth of each context (the root, then after each node), for every row at once:
+    a chain's run 0..N, a tree's follow its parents, padding nodes (parent -1) sit at depth 1."""
+    from sampling.verifier import context_depths
+
+    parents = torch.tensor(
+        [
+            [-1, 0, 1, 2, 3],  # a chain of 5
+            [-1, -1, 0, 1, 2],  # two roots' children, then a child of each, then a grandchild
+            [-1, 0, -1, -1, -1],  # a chain of 2, then padding
+        ]
+    )
+    assert context_depths(parents).tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 1, 1]]
+    assert context_depths(torch.empty(2, 0, dtype=torch.int64)).tolist() == [[0], [0]]
