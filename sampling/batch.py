@@ -58,15 +58,20 @@ class VerifyBatch:
     draft_probs [B, N, Vt] float32 in target space, the law each node was drawn from (a point
         mass as a one-hot row), or None: every row a point mass;
     parents [B, N] int32|int64, parents[b, n] in [-1, n-1] (-1 = the row's last emitted token,
-        and past the row), or None: every row a chain of N nodes (parents -1, 0, ..., N-2);
-    num_nodes [B] nodes per row in [0, N], or None (= N; chains: N for every row);
+        and past the row), or None: every row a chain (parents -1, 0, ..., N-2) of num_nodes[b];
+    num_nodes [B] nodes per row in [0, N], or None (= N). Chains of different lengths (a
+        `ragged` chain batch) only as point masses verified by coupling (draft_probs None, a
+        position for every row): padded to N, each row's result cut at its own length (exact:
+        coupled and greedy rows read no uniform of their stream, and the token at a row's
+        last context is the target's whether the padding draft there is accepted or not);
     positions [B] the sequence position of row b's first target token for a row verified by
         coupling (a point-mass proposal, `Verifier`), None for one that is not; or None: no row;
     bitmask [B, N+1, ceil(Vt/32)] int32, structured outputs: the tokens allowed at each context
         (row b's root, then after each node; all bits set past a row and on free rows), the
         target's logits restricted to them (`sampling.filtering.restrict`); or None: no row.
     Chains (`chain`, parents None) take the chain kernel (`rejection_sample`), anything else the
-    tree kernel. The id and parent tensors may live on the host; the verifier moves them.
+    tree kernel (a tree launch costs the host several times a chain launch). The id and parent
+    tensors may live on the host; the verifier moves them.
     """
 
     draft_token_ids: torch.Tensor
@@ -80,6 +85,11 @@ class VerifyBatch:
     def chain(self) -> bool:
         """Chains of one depth and one law: the chain kernel verifies them."""
         return self.parents is None
+
+    @property
+    def ragged(self) -> bool:
+        """Rows of different node counts."""
+        return self.num_nodes is not None and len(set(self.num_nodes)) > 1
 
     @property
     def rows(self) -> int:
@@ -122,8 +132,12 @@ class VerifyBatch:
             bad = next((c for c in counts if not 0 <= c <= n), None)
             if bad is not None:
                 raise ValueError(f"num_nodes: expected values in [0, {n}], got {bad}")
-            if self.parents is None and any(c != n for c in counts):
-                raise ValueError(f"num_nodes: expected {n} for every row of chains (parents None), got {counts}")
+            coupled = self.draft_probs is None and self.positions is not None and None not in self.positions
+            if self.parents is None and any(c != n for c in counts) and not coupled:
+                raise ValueError(
+                    f"num_nodes: expected {n} for every row of chains (parents None) unless every row is a "
+                    f"point mass with a position, got {counts}"
+                )
         if self.positions is not None and len(self.positions) != batch:
             raise ValueError(f"positions: expected {batch} entries, got {len(self.positions)}")
         mask = self.bitmask
@@ -148,7 +162,8 @@ class VerifyBatch:
         point-mass rows keep it, as they verify by coupling (each token the one a K = 0 step
         would draw at its position, so a seeded row's tokens do not depend on K). The laws go
         to `device`; a point mass is written densely (`point_mass`) only where another row of
-        the batch is dense: chains of one depth and one law stay chains. masks[b]: row b's
+        the batch is dense: chains of one depth and one law stay chains, and so do point-mass
+        chains of any lengths (`ragged`). masks[b]: row b's
         [N_b+1, W] int32 grammar bitmasks (structured outputs), or None for a free row."""
         sizes = [len(p.token_ids) for p in proposals]
         n = max(sizes)
@@ -162,9 +177,9 @@ class VerifyBatch:
         coupled = [None if d else at for at, d in zip(positions, dense, strict=True)]
         ids = torch.tensor([[*p.token_ids, *[0] * (n - len(p.token_ids))] for p in proposals], dtype=torch.int64)
         ids = ids.view(len(proposals), n)  # [B, N] also when every row is empty
-        if all(p.is_chain for p in proposals) and len(set(sizes)) == 1 and len(set(dense)) == 1:
+        if all(p.is_chain for p in proposals) and len(set(dense)) == 1 and (len(set(sizes)) == 1 or not dense[0]):
             probs = torch.stack([p.probs for p in proposals]).to(device) if dense[0] else None
-            return cls(ids, probs, None, sizes, coupled, bitmask)
+            return cls(ids, probs, None, sizes, coupled, bitmask)  # point masses: every row coupled
         parents = torch.tensor([[*p.parents, *[-1] * (n - len(p.parents))] for p in proposals], dtype=torch.int64)
         probs = None
         if any(dense):  # one launch for both laws: a point mass as one-hot rows

@@ -112,7 +112,7 @@ class Verifier:
     ) -> VerifyResult:
         """One step: row b's proposal in `batch` (sampling/batch.py) against the target's logits
         after its last emitted token and after each node, target_logits [B, N+1, Vt] (any float
-        dtype), or B tensors [N_b+1, Vt] (stacked; padded with zeros for trees). params and rngs:
+        dtype), or B tensors [N_b+1, Vt] (stacked; padded with zeros where N_b differ). params and rngs:
         one per row. Chains (`batch.chain`) take the chain kernel, anything else the tree
         kernel (sampling/proposal.py's layout), one launch for the batch either way.
 
@@ -128,7 +128,7 @@ class Verifier:
             raise ValueError(f"params/rngs: expected {rows} entries each, got {len(params)} and {len(rngs)}")
         if isinstance(target_logits, torch.Tensor):
             logits = target_logits
-        elif batch.chain:
+        elif batch.chain and not batch.ragged:
             logits = torch.stack(list(target_logits))
         else:
             logits = pad_sequence(list(target_logits), batch_first=True)  # 0 past a row
@@ -168,10 +168,14 @@ class Verifier:
             uniforms[:, k + 1 :].contiguous(),
             _tested(tensors, coupled, self.device) if k else tensors.do_sample,  # K = 0 tests nothing: no copy
         )
+        draft_tokens = torch.full((rows,), k, dtype=torch.int64, device=self.device)
+        if batch.ragged:  # point masses padded to the widest row: each emits at most its own drafts + 1
+            draft_tokens = device_tensor(batch.num_nodes, torch.int64, self.device)
+            emitted = torch.minimum(emitted, (draft_tokens + 1).to(emitted.dtype))
         accepted = emitted.long() - 1
         stats = StepStats(
             do_sample=tensors.do_sample,
-            draft_tokens=torch.full((rows,), k, dtype=torch.int64, device=self.device),
+            draft_tokens=draft_tokens,
             accepted_tokens=accepted,
             accepted_per_position=torch.arange(k, device=self.device) < accepted[:, None],
         )

@@ -76,3 +76,40 @@ def test_per_row_logits_are_stacked_for_chains_and_padded_for_trees():
     got = verifier.verify(tree, [logits[0], logits[1, :2]], rows, [RequestRng(0)] * 2)
     assert torch.equal(got.output_token_ids, want.output_token_ids)
     assert torch.equal(got.accepted_nodes, want.accepted_nodes)
+
+
+def test_point_mass_chains_of_different_lengths_stay_a_chain_and_verify_as_the_tree_layout_does():
+    """Prompt lookup's chains of 0..4 tokens in one batch take the chain kernel, padded to the
+    widest row: every row's emitted tokens and counts are those of the same proposals verified
+    as trees (greedy and coupled sampled rows alike), and no row emits past its own drafts."""
+    vocab, rows = 13, 8
+    gen = torch.Generator().manual_seed(3)
+    sizes = [4, 0, 2, 1, 4, 3, 0, 2]
+    logits = [torch.randn(n + 1, vocab, generator=gen) * 3 for n in sizes]
+    # Drafts that agree with the greedy choices for a while, so rows accept some and reject some.
+    proposals = [
+        Proposal([int(x.argmax()) if j < 2 else 0 for j, x in enumerate(row[:n])], list(range(-1, n - 1)), None)
+        for row, n in zip(logits, sizes, strict=True)
+    ]
+    positions = [50 + 7 * b for b in range(rows)]
+    batch = VerifyBatch.build(proposals, positions, vocab, torch.device("cpu"))
+    assert batch.chain and batch.ragged and batch.num_nodes == sizes and batch.positions == positions
+    n = max(sizes)
+    parents = torch.tensor([[*range(-1, s - 1), *[-1] * (n - s)] for s in sizes])
+    tree = VerifyBatch(batch.draft_token_ids, None, parents, sizes, positions)
+    verifier = Verifier("torch")
+    for params in (
+        [SamplingParams()] * rows,
+        [SamplingParams(do_sample=True, temperature=0.8, seed=b) for b in range(rows)],
+        [SamplingParams(do_sample=b % 2 == 0, temperature=1.3, seed=b) for b in range(rows)],
+    ):
+        chain_out = verifier.verify(batch, logits, params, [RequestRng(b) for b in range(rows)])
+        tree_out = verifier.verify(tree, logits, params, [RequestRng(b) for b in range(rows)])
+        emitted, paths = chain_out.host()
+        assert paths is None and emitted == tree_out.host()[0]
+        assert all(len(e) <= s + 1 for e, s in zip(emitted, sizes, strict=True))
+        assert chain_out.stats.draft_tokens.tolist() == sizes
+        assert torch.equal(chain_out.stats.accepted_tokens, tree_out.stats.accepted_tokens)
+        assert torch.equal(chain_out.stats.accepted_per_position, tree_out.stats.accepted_per_position)
+    with_law = [Proposal([1], [-1], torch.full((1, vocab), 1 / vocab)), Proposal([1, 2], [-1, 0], None)]
+    assert not VerifyBatch.build(with_law, [3, 4], vocab, torch.device("cpu")).chain  # a law: the tree layout
