@@ -70,7 +70,7 @@ class VerifyBatch:
         (row b's root, then after each node; all bits set past a row and on free rows), the
         target's logits restricted to them (`sampling.filtering.restrict`); or None: no row.
     Chains (`chain`, parents None) take the chain kernel (`rejection_sample`), anything else the
-    tree kernel (a tree step costs the host more: ~1.5x a chain step at 16 rows). The id and parent
+    tree kernel (a tree step costs the host more: bench/verify_layouts.py). The id and parent
     tensors may live on the host; the verifier moves them.
     """
 
