@@ -168,10 +168,11 @@ class Verifier:
             uniforms[:, k + 1 :].contiguous(),
             _tested(tensors, coupled, self.device) if k else tensors.do_sample,  # K = 0 tests nothing: no copy
         )
-        draft_tokens = torch.full((rows,), k, dtype=torch.int64, device=self.device)
         if batch.ragged:  # point masses padded to the widest row: each emits at most its own drafts + 1
             draft_tokens = device_tensor(batch.num_nodes, torch.int64, self.device)
             emitted = torch.minimum(emitted, (draft_tokens + 1).to(emitted.dtype))
+        else:
+            draft_tokens = torch.full((rows,), k, dtype=torch.int64, device=self.device)
         accepted = emitted.long() - 1
         stats = StepStats(
             do_sample=tensors.do_sample,
