@@ -21,7 +21,8 @@ or, per `--temperatures` above 0, sampled and seeded. Per configuration:
 * the tokens each row emits per step (what a step buys: 1 at K = 0);
 * the device time and count of the kernels of a step, and the kernels with the most of it
   (torch.profiler, CUDA only);
-* the host functions with the most own time per step (cProfile), to say what to cut.
+* the host functions with the most own time per step (cProfile), to say what to cut, and the
+  project's functions with the most time per step callees included (`--host-top` of each).
 Writes bench/results/decode_step-*.json.
 """
 
@@ -72,9 +73,11 @@ def engine_steps(
     scheduling: str,
     method: str = "draft",
     temperature: float = 0.0,
+    host_top: int = 6,
 ):
     """(median seconds per step, tokens emitted per row and step, device ms and kernels per step
-    or None, the kernels with the most device time per step, top host functions)."""
+    or None, the kernels with the most device time per step, top host functions by own time,
+    top project functions by time with callees)."""
     spec = SpeculativeConfig(max_speculative_tokens=max(k, 1), method=method)
     prefill = PrefillEngine(pair, PrefillConfig(spec=spec, device=device))
     config = DecodeConfig(spec=spec, device=device, max_batch=batch, async_scheduling=scheduling)
@@ -141,11 +144,21 @@ def engine_steps(
     profiler.disable()
     while decode.load:
         decode.step()
-    own = collections.Counter()
-    for (file, _line, name), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
+    own, inclusive = collections.Counter(), collections.Counter()
+    root = str(Path(__file__).resolve().parent.parent)
+    for (file, _line, name), (_, _, tottime, cumtime, _) in pstats.Stats(profiler).stats.items():
         where = f"{Path(file).parent.name}/{Path(file).name}:{name}" if file.startswith("/") else name
         own[where] += tottime / 5
-    return statistics.median(times), per_step, kernels, heavy, own.most_common(6)
+        if file.startswith(root) and "/.venv/" not in file:  # the project's own functions, callees included
+            inclusive[where] += cumtime / 5
+    return (
+        statistics.median(times),
+        per_step,
+        kernels,
+        heavy,
+        own.most_common(host_top),
+        inclusive.most_common(host_top),
+    )
 
 
 def main() -> None:
@@ -163,6 +176,7 @@ def main() -> None:
     parser.add_argument("--draft-layers", type=int, default=None, help="or its first N layers (the launcher's 8)")
     parser.add_argument("--method", default="draft", help="--speculative-method of both engines")
     parser.add_argument("--temperatures", default="0", help="0: greedy; above: sampled, seeded")
+    parser.add_argument("--host-top", type=int, default=6, help="host functions kept per row of the results")
     args = parser.parse_args()
     if args.smoke:
         args.shape, args.context, args.steps = "smoke", 32, 5
@@ -191,8 +205,8 @@ def main() -> None:
     for batch in batches:
         forward = step_rows(forward_lm, batch, args.context, 1, device, args.steps)
         for k, scheduling, temperature in itertools.product(ks, args.scheduling.split(","), temperatures):
-            step, per_step, kernels, heavy, top = engine_steps(
-                pair, device, batch, k, args.context, args.steps, scheduling, args.method, temperature
+            step, per_step, kernels, heavy, top, inclusive = engine_steps(
+                pair, device, batch, k, args.context, args.steps, scheduling, args.method, temperature, args.host_top
             )
             outside = step - forward if k == 0 else None  # K > 0 adds a wider verify and the draft
             row = {
@@ -211,6 +225,7 @@ def main() -> None:
                 "kernels": None if kernels is None else kernels[1],
                 "top_kernels_ms": [[name, t] for name, t in heavy],
                 "top_host_ms": [[name, t * 1e3] for name, t in top],
+                "top_host_inclusive_ms": [[name, t * 1e3] for name, t in inclusive],
             }
             rows.append(row)
             table.append(

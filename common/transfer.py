@@ -37,6 +37,15 @@ def pinned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.pin_memory()
 
 
+def indexed(device: torch.device | str) -> torch.device:
+    """`device` with its index: "cuda" is the current GPU, which a cache key of device tensors
+    must name."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`tensor` on `device`; a host tensor goes to a GPU asynchronously (through pinned memory)."""
     device = torch.device(device)
@@ -48,6 +57,18 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def device_tensor(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """`torch.tensor(data, dtype=dtype, device=device)` without a host wait on a GPU."""
     return to_device(torch.tensor(data, dtype=dtype), device)
+
+
+def shared_tensor(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """`device_tensor(values, ...)`, one tensor for every call with the same values: a batch's
+    per-row constants (which rows are coupled, an index of rows) repeat step after step while
+    its rows stay, and then cost no copy. Shared, so never written."""
+    return _shared(tuple(values), dtype, indexed(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _shared(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return device_tensor(values, dtype, device)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,9 @@ class AdaptiveK:
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self._counts: dict[str, tuple[list[float], list[float]]] = {}  # source -> (accepted, tested) per position
+        # `rates` of the counts as they are: a step asks for a row's rates several times (its K,
+        # its gain, its admitted drafts), and for the node's rows' (`SpecPolicy.shown`) once per row.
+        self._rates: dict[tuple[str, tuple[float, ...] | None], list[float]] = {}
 
     def _of(self, source: str) -> tuple[list[float], list[float]]:
         if source not in self._counts:
@@ -102,14 +105,18 @@ class AdaptiveK:
         """a_j for j in 0..cap-1: the chance draft j is accepted given the ones before were. Each
         position's prior is the rate of the position before it (PRIOR for the first), so a
         position never tested yet is expected to do as its predecessor does; or, given `prior`
-        (at least cap rates, e.g. the node's), that position's rate there."""
-        accepted, tested = self._of(source)
-        out, rate = [], PRIOR
-        for j, (a, t) in enumerate(zip(accepted, tested, strict=True)):
-            base = rate if prior is None else prior[j]
-            rate = (a + base * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
-            out.append(rate)
-        return out
+        (at least cap rates, e.g. the node's), that position's rate there. Kept until the counts
+        change: the caller reads the list, never writes it."""
+        key = (source, None if prior is None else tuple(prior))
+        if key not in self._rates:
+            accepted, tested = self._of(source)
+            out, rate = [], PRIOR
+            for j, (a, t) in enumerate(zip(accepted, tested, strict=True)):
+                base = rate if prior is None else prior[j]
+                rate = (a + base * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+                out.append(rate)
+            self._rates[key] = out
+        return self._rates[key]
 
     def expected(self, source: str, k: int, prior: list[float] | None = None) -> float:
         """E(k): the tokens a verify of k drafts from `source` emits in expectation (`prior`: as
@@ -162,6 +169,7 @@ class AdaptiveK:
         self.count(source, depth, accepted)
 
     def decay(self, factor: float) -> None:
+        self._rates.clear()
         for acc, tested in self._counts.values():
             for j in range(self.cap):
                 acc[j] *= factor
@@ -171,6 +179,7 @@ class AdaptiveK:
         """`depth` drafts proposed by `source` (None: none), the first `accepted` accepted."""
         if source is None or depth == 0:
             return
+        self._rates.clear()
         acc, tested = self._of(source)
         for j in range(min(depth, accepted + 1, self.cap)):  # drafts past the first rejection were not tested
             tested[j] += 1.0

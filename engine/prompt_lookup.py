@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+FEW = 8  # new n-grams indexed one by one; more (a prompt) through shifted slices built in C
+
 
 def check_lookup_range(lo: int, hi: int) -> None:
     """The --prompt-lookup-min / --prompt-lookup-max pair."""
@@ -47,7 +49,9 @@ class ContextIndex:
         toks = self.tokens
         for n, table in self._last.items():
             start = max(self._indexed, n - 1)  # position of the last token of the first new n-gram
-            if start >= end:
+            if end - start <= FEW:  # a step's few new tokens: a slice each, no shifted copies
+                for last in range(start, end):
+                    table[tuple(toks[last - n + 1 : last + 1])] = last
                 continue
             shifted = [toks[start - n + 1 + j : end - n + 1 + j] for j in range(n)]
             table.update(

@@ -8,13 +8,14 @@ or top_k == 1; greedy rows sample the argmax and their distribution is a point m
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from common.transfer import device_tensor
+from common.transfer import indexed, shared_tensor, to_device
 
 FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32, ~1.18e-38
 
@@ -73,20 +74,10 @@ class SamplingTensors:
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:
-        greedy = [p.is_greedy for p in params]
-        top_k = [p.top_k for p in params]
-        top_p = [p.effective_top_p for p in params]
-        return cls(
-            greedy=device_tensor(greedy, torch.bool, device),
-            temperature=device_tensor(
-                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=False)], torch.float32, device
-            ),
-            top_k=device_tensor(top_k, torch.int64, device),
-            top_p=device_tensor(top_p, torch.float32, device),
-            needs_filter=any(k > 0 for k in top_k) or any(p < 1 for p in top_p),
-            any_greedy=any(greedy),
-            all_greedy=all(greedy),
-        )
+        """The batch's tensors on `device`. A decode batch keeps its rows for many steps, so the
+        tensors of the last few batches are kept: a step whose rows are those of an earlier one
+        copies nothing to the device. Nothing writes them in place."""
+        return _cached(tuple(params), indexed(device))
 
     @property
     def do_sample(self) -> torch.Tensor:  # [B] bool
@@ -98,11 +89,33 @@ class SamplingTensors:
     def select(self, rows: Sequence[int]) -> SamplingTensors:
         if list(rows) == list(range(self.greedy.shape[0])):
             return self  # every row in order (a chain step of the whole batch)
-        index = device_tensor(rows, torch.int64, self.greedy.device)
+        index = shared_tensor(rows, torch.int64, self.greedy.device)
         return self._with(self.greedy[index], self.temperature[index], self.top_k[index], self.top_p[index])
 
     def repeat_rows(self, repeats: int) -> SamplingTensors:
         """Each row repeated `repeats` times, for [B, K+1, V] flattened to [B*(K+1), V]."""
+        if repeats == 1:
+            return self
         return self._with(
             *(t.repeat_interleave(repeats) for t in (self.greedy, self.temperature, self.top_k, self.top_p))
         )
+
+
+@functools.lru_cache(maxsize=16)
+def _cached(params: tuple[SamplingParams, ...], device: torch.device) -> SamplingTensors:
+    """`SamplingTensors.from_params`, built with one host -> device copy: the four per-row values
+    as float64 (top-k and the float32 values are exact there), split and cast on the device."""
+    greedy = [p.is_greedy for p in params]
+    top_k = [p.top_k for p in params]
+    top_p = [p.effective_top_p for p in params]
+    temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+    packed = to_device(torch.tensor([greedy, temperature, top_k, top_p], dtype=torch.float64), device)  # [4, B]
+    return SamplingTensors(
+        greedy=packed[0] != 0,
+        temperature=packed[1].to(torch.float32),
+        top_k=packed[2].to(torch.int64),
+        top_p=packed[3].to(torch.float32),
+        needs_filter=any(k > 0 for k in top_k) or any(p < 1 for p in top_p),
+        any_greedy=any(greedy),
+        all_greedy=all(greedy),
+    )

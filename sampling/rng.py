@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from common.transfer import to_device
+from common.transfer import indexed, to_device
 
 _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment, the golden ratio in 64 bits
 _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # its finaliser's multipliers
@@ -99,7 +99,7 @@ def stream_uniforms(
         rows.append(count)
         rng.drawn += count
     sent = to_device(_int64(rows).view(-1, 2), device)  # [B, 2]: state, count
-    column, steps = _columns(width, _indexed(torch.device(device)))
+    column, steps = _columns(width, indexed(device))
     values = _output(sent[:, :1] + steps)
     if all(count == width for count in counts):
         return values
@@ -112,13 +112,6 @@ def _columns(width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     over j values. Cached: a step's shapes repeat, and building them is two more launches."""
     column = torch.arange(width, device=device)
     return column, column * _signed(_GAMMA)
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """`device` with its index: "cuda" is the current GPU, which a cache key must name."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def batch_uniforms(

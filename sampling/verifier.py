@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from common.transfer import device_tensor, to_device
+from common.transfer import device_tensor, shared_tensor, to_device
 from sampling.batch import VerifyBatch
 from sampling.filtering import restrict
 from sampling.params import SamplingParams, SamplingTensors
@@ -158,7 +158,10 @@ class Verifier:
             at = [b for b, c in enumerate(coupled) if c]
             positions = torch.tensor([batch.positions[b] for b in at])[:, None] + torch.arange(k + 1)
             drawn = position_uniforms([rngs[b] for b in at], positions, self.device)
-            uniforms[device_tensor(at, torch.int64, self.device), : k + 1] = drawn
+            if len(at) == rows:
+                uniforms[:, : k + 1] = drawn
+            else:
+                uniforms[shared_tensor(at, torch.int64, self.device), : k + 1] = drawn
         target = sample_target(target_logits, tensors, uniforms[:, : k + 1])
         output, emitted = self.sampler(
             to_device(batch.draft_token_ids, self.device),
@@ -208,7 +211,7 @@ class Verifier:
             at = [b for b, c in enumerate(coupled) if c]
             first = torch.tensor([batch.positions[b] for b in at])[:, None]  # [C, 1]
             positions = first + context_depths(parents.cpu()[at])  # [C, N+1]; past a row: masked below
-            rows_at = device_tensor(at, torch.int64, self.device)
+            rows_at = shared_tensor(at, torch.int64, self.device)
             drawn_at = position_uniforms([rngs[b] for b in at], positions, self.device)
             uniforms[rows_at, : n + 1] = torch.where(in_row[rows_at], drawn_at, 0.0)
         # The residual uniform of each context: rejection uniform (its last child + 1).
@@ -265,4 +268,4 @@ def _tested(rows: SamplingTensors, coupled: list[bool], device: torch.device) ->
     takes the greedy rule."""
     if not any(coupled):
         return rows.do_sample
-    return rows.do_sample & ~device_tensor(coupled, torch.bool, device)
+    return rows.do_sample & ~shared_tensor(coupled, torch.bool, device)
