@@ -32,6 +32,7 @@ from sampling import RequestRng, SamplingParams, Verifier, VerifyBatch
 PRIOR = 0.5  # acceptance assumed before a request has shown any
 PRIOR_WEIGHT = 1.0  # observations the prior is worth
 DECAY = 0.9  # per step: the weight of what a request showed one step ago
+RESCALE = 1e-6  # AdaptiveK's stored counts are folded back to their scale below it
 QUEUED = 8  # K = 0 steps queued back to back when timing a pipelined K = 0 step
 
 
@@ -92,6 +93,9 @@ class AdaptiveK:
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self._counts: dict[str, tuple[list[float], list[float]]] = {}  # source -> (accepted, tested) per position
+        # The counts are the stored ones times `_scale`: a decay, every row's every step, scales
+        # one number instead of every count (folded back in once it falls below RESCALE).
+        self._scale = 1.0
         # `rates` of the counts as they are: a step asks for a row's rates several times (its K,
         # its gain, its admitted drafts), and for the node's rows' (`SpecPolicy.shown`) once per row.
         self._rates: dict[tuple[str, tuple[float, ...] | None], list[float]] = {}
@@ -110,10 +114,10 @@ class AdaptiveK:
         key = (source, None if prior is None else tuple(prior))
         if key not in self._rates:
             accepted, tested = self._of(source)
-            out, rate = [], PRIOR
+            scale, out, rate = self._scale, [], PRIOR
             for j, (a, t) in enumerate(zip(accepted, tested, strict=True)):
                 base = rate if prior is None else prior[j]
-                rate = (a + base * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+                rate = (a * scale + base * PRIOR_WEIGHT) / (t * scale + PRIOR_WEIGHT)
                 out.append(rate)
             self._rates[key] = out
         return self._rates[key]
@@ -170,10 +174,12 @@ class AdaptiveK:
 
     def decay(self, factor: float) -> None:
         self._rates.clear()
-        for acc, tested in self._counts.values():
-            for j in range(self.cap):
-                acc[j] *= factor
-                tested[j] *= factor
+        self._scale *= factor
+        if self._scale < RESCALE:
+            for acc, tested in self._counts.values():
+                acc[:] = [a * self._scale for a in acc]
+                tested[:] = [t * self._scale for t in tested]
+            self._scale = 1.0
 
     def count(self, source: str | None, depth: int, accepted: int) -> None:
         """`depth` drafts proposed by `source` (None: none), the first `accepted` accepted."""
@@ -181,9 +187,11 @@ class AdaptiveK:
             return
         self._rates.clear()
         acc, tested = self._of(source)
+        one = 1.0 / self._scale  # a count of 1, stored
         for j in range(min(depth, accepted + 1, self.cap)):  # drafts past the first rejection were not tested
-            tested[j] += 1.0
-            acc[j] += 1.0 if j < accepted else 0.0
+            tested[j] += one
+            if j < accepted:
+                acc[j] += one
 
 
 class BatchGate:

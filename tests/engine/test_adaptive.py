@@ -113,6 +113,32 @@ def test_observe_counts_only_the_positions_tested():
     assert spec.rates(LOOKUP) == pytest.approx([one, zero, zero, zero])
 
 
+def test_decayed_counts_equal_counts_decayed_one_by_one_across_a_rescale():
+    """A decay scales the stored counts at once (`RESCALE`): over thousands of steps, past many
+    rescales, the rates are those of counts decayed one by one, as a row's history reads."""
+    rng = random.Random(3)
+    spec, cap = AdaptiveK(4), 4
+    counts = {source: ([0.0] * cap, [0.0] * cap) for source in (LOOKUP, DRAFT)}
+    for _ in range(3000):
+        source, depth = rng.choice((LOOKUP, DRAFT, None)), rng.randrange(cap + 2)
+        accepted = rng.randrange(depth + 1)
+        spec.observe(source, depth, accepted)
+        for acc, tested in counts.values():
+            acc[:] = [a * DECAY for a in acc]
+            tested[:] = [t * DECAY for t in tested]
+        if source is not None:
+            acc, tested = counts[source]
+            for j in range(min(depth, accepted + 1, cap)):
+                tested[j] += 1.0
+                acc[j] += 1.0 if j < accepted else 0.0
+    for source, (acc, tested) in counts.items():
+        expected, rate = [], PRIOR
+        for a, t in zip(acc, tested, strict=True):
+            rate = (a + rate * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+            expected.append(rate)
+        assert spec.rates(source) == pytest.approx(expected, rel=1e-9)  # float64 sums of O(10) terms
+
+
 def test_observe_all_accepted_tests_the_drafted_positions_only():
     spec = AdaptiveK(4)
     spec.observe(LOOKUP, 2, 2)  # both drafts accepted: positions 0 and 1, nothing deeper
