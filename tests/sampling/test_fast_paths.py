@@ -79,3 +79,25 @@ def test_host_transfer_unpacks_tokens_and_tree_nodes():
     assert VerifyResult(output, counts, stats).host() == ([[5, 6], [7]], None)
     nodes = torch.tensor([[3, -1], [-1, -1]], dtype=torch.int32)
     assert VerifyResult(output, counts, stats, nodes).host() == ([[5, 6], [7]], [[3], []])
+
+
+def test_a_batch_whose_rows_repeat_reuses_its_tensors_and_they_hold_each_rows_values():
+    """One copy builds a batch's tensors (float64 on the way: the float32 values and top-k exact),
+    and a later step with the same rows gets the same tensors, a different batch its own."""
+    params = [
+        SamplingParams(do_sample=True, temperature=0.1 + 1e-9, top_k=2**24 + 1, top_p=0.3),  # not a float32
+        SamplingParams(),  # greedy: temperature 1 (never divided by 0)
+        SamplingParams(do_sample=True, temperature=1e-39),  # subnormal: greedy
+        SamplingParams(do_sample=True, top_p=0.0, seed=2**64 - 1),  # top_p 0 disables
+    ]
+    first = SamplingTensors.from_params(params)
+    assert first.greedy.tolist() == [False, True, True, False]
+    as_float32 = torch.tensor([0.1 + 1e-9, 1.0, 1.0, 1.0, 0.3], dtype=torch.float32).tolist()
+    assert first.temperature.dtype == torch.float32 and first.temperature.tolist() == as_float32[:4]
+    assert first.top_k.dtype == torch.int64 and first.top_k.tolist() == [2**24 + 1, 0, 0, 0]
+    assert first.top_p.dtype == torch.float32 and first.top_p.tolist() == [as_float32[4], 1.0, 1.0, 1.0]
+    assert (first.needs_filter, first.any_greedy, first.all_greedy) == (True, True, False)
+    again = SamplingTensors.from_params(list(params))
+    assert again.temperature is first.temperature  # the same rows: nothing copied
+    other = SamplingTensors.from_params(params[:3])
+    assert other.temperature is not first.temperature and other.temperature.shape == (3,)
