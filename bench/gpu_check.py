@@ -117,6 +117,7 @@ TESTS = {
         "tests/sampling/test_rejection_stats.py",
         "tests/sampling/test_tree_stats.py",
         "tests/sampling/test_rng.py",
+        "tests/sampling/test_draw_cupy.py",
     ],
     "engine-tests": [
         "tests/engine/test_gpu_nodes.py",

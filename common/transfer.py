@@ -26,6 +26,18 @@ import torch
 # Asked once: torch.cuda.is_available() reads the environment and NVML on every call (~7 us,
 # about two dozen calls in a speculating step's small copies), and its answer cannot change.
 _gpu_present = functools.cache(torch.cuda.is_available)
+
+
+@functools.cache
+def cupy_available() -> bool:
+    """Whether CuPy imports: the GPU kernels' launcher (asked once)."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 Buffer = bytes | bytearray | memoryview  # host bytes: a payload on the wire, a chunk of KV
 
 

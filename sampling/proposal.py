@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sampling.categorical import inverse_cdf_sample
+from sampling.categorical import draw
 from sampling.filtering import filtered_probs, point_mass
 from sampling.params import SamplingTensors
 
@@ -52,7 +52,7 @@ def propose_point_mass(logits: torch.Tensor) -> DraftSample:
 def propose_stochastic(logits: torch.Tensor, params: SamplingTensors, uniforms: torch.Tensor) -> DraftSample:
     """logits [B, Vd]; uniforms [B] float32 in [0, 1) -> sampled ids and their law."""
     probs = filtered_probs(logits, params)  # [B, Vd]
-    token_ids, _ = inverse_cdf_sample(probs, uniforms)
+    token_ids, _ = draw(probs, uniforms)
     return DraftSample(token_ids, probs)
 
 
@@ -93,7 +93,7 @@ def propose_candidates(
     weights = filtered_probs(logits, params)  # [M, Vd] p, then p with the drawn candidates zeroed
     ids, laws, valid = [], [], []
     for i in range(k):
-        token, has_mass = inverse_cdf_sample(weights, uniforms[:, i])
+        token, has_mass = draw(weights, uniforms[:, i])
         if i == 0:
             laws.append(weights)  # normalised by construction: no division, so k = 1 equals `propose`
         else:

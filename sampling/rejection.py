@@ -12,21 +12,13 @@ from typing import Literal
 
 import torch
 
+from common.transfer import cupy_available
 from sampling.batch import ChainInputs
 from sampling.checks import check_rejection_inputs
 from sampling.reference import rejection_sample_torch
 
 Backend = Literal["torch", "cupy", "auto"]
 _Impl = Callable[[ChainInputs], tuple[torch.Tensor, torch.Tensor]]
-
-
-@functools.cache
-def cupy_available() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> Literal["torch", "cupy"]:

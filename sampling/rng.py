@@ -3,8 +3,9 @@
 Every uniform a request reads is SplitMix64 (Steele, Lea and Flood, 2014) evaluated at a
 counter under a 64-bit key derived from the seed: output number c + 1 of the generator
 started at the key, its top 24 bits over 2**24 (a float32 in [0, 1), exactly). Being a pure
-function of (key, counter), a whole batch's uniforms are one vectorised torch computation on
-the batch's device (`splitmix64_uniforms`): a step copies each row's key and counter to the
+function of (key, counter), a whole batch's uniforms are one vectorised computation on the
+batch's device (`splitmix64_uniforms` in torch; one kernel on a GPU with CuPy,
+sampling/draw_kernel.cu, whose values are the same bits): a step copies each row's key and counter to the
 device (a few int64 per row), never its uniforms, and draws nothing on the host. The values
 are bit for bit the same on any device (int64 arithmetic wraps mod 2**64 everywhere).
 
@@ -32,7 +33,8 @@ from collections.abc import Sequence
 
 import torch
 
-from common.transfer import indexed, to_device
+from common.transfer import cupy_available, indexed, to_device
+from sampling.cupy_draw import splitmix64_cupy
 
 _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment, the golden ratio in 64 bits
 _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # its finaliser's multipliers
@@ -99,6 +101,8 @@ def stream_uniforms(
         rows.append(count)
         rng.drawn += count
     sent = to_device(_int64(rows).view(-1, 2), device)  # [B, 2]: state, count
+    if _on_kernel(sent):
+        return splitmix64_cupy(sent, width, stream=True)
     column, steps = _columns(width, indexed(device))
     values = _output(sent[:, :1] + steps)
     if all(count == width for count in counts):
@@ -131,8 +135,16 @@ def position_uniforms(
     if not rngs:
         return torch.empty(positions.shape, dtype=torch.float32, device=device)
     keys = _int64(array.array("Q", [rng.position_key for rng in rngs]))[:, None]
-    both = to_device(torch.cat([keys, positions.to(torch.int64)], dim=1), device)
+    both = to_device(torch.cat([keys, positions.to(torch.int64)], dim=1), device)  # [B, 1 + n]
+    if _on_kernel(both):
+        return splitmix64_cupy(both, positions.shape[1], stream=False)
     return splitmix64_uniforms(both[:, 0], both[:, 1:])
+
+
+def _on_kernel(rows_in: torch.Tensor) -> bool:
+    """Whether a step's uniforms are one CuPy kernel (sampling/draw_kernel.cu), bit for bit the
+    torch ops' values: on a GPU, where those ops' dispatch is most of their cost."""
+    return rows_in.is_cuda and cupy_available()
 
 
 def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:

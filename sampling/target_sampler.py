@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sampling.categorical import inverse_cdf_sample
+from sampling.categorical import draw
 from sampling.filtering import filtered_probs
 from sampling.params import SamplingTensors
 
@@ -27,5 +27,5 @@ def sample_target(logits: torch.Tensor, params: SamplingTensors, uniforms: torch
     if params.all_greedy:
         token_ids = probs.argmax(-1)
     else:
-        token_ids, _ = inverse_cdf_sample(probs, uniforms.reshape(-1))  # rows sum to 1: always has mass
+        token_ids, _ = draw(probs, uniforms.reshape(-1))  # rows sum to 1: always has mass
     return TargetSample(probs.view(batch, positions, vocab), token_ids.view(batch, positions))

@@ -25,7 +25,7 @@ def compiler(name: str) -> str:
 
 
 def test_there_are_kernel_sources():
-    assert [p.name for p in SOURCES] == ["rejection_kernel.cu", "tree_kernel.cu"]
+    assert [p.name for p in SOURCES] == ["draw_kernel.cu", "rejection_kernel.cu", "tree_kernel.cu"]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -55,6 +55,8 @@ def test_compiles_with_hipcc(source, tmp_path):
 @pytest.mark.parametrize(
     ("source", "struct_name", "module"),
     [
+        ("draw_kernel.cu", "CdParams", "sampling.cupy_draw"),
+        ("draw_kernel.cu", "SmParams", "sampling.cupy_draw"),
         ("rejection_kernel.cu", "RsParams", "sampling.cupy_sampler"),
         ("tree_kernel.cu", "TsParams", "sampling.cupy_tree"),
     ],
@@ -64,7 +66,8 @@ def test_launch_struct_matches_the_kernel_source(source, struct_name, module):
     import importlib
     import re
 
-    params = importlib.import_module(module)._PARAMS
+    module = importlib.import_module(module)
+    params = module._SM_PARAMS if struct_name == "SmParams" else module._PARAMS
     text = (Path(__file__).resolve().parents[2] / "sampling" / source).read_text()
     body = re.search(rf"struct {struct_name} \{{(.*?)\}};", text, re.S).group(1)
     fields = [line.split("//")[0].strip() for line in body.splitlines()]
@@ -82,3 +85,12 @@ def test_tree_kernel_constants_match_python():
     text = (Path(__file__).resolve().parents[2] / "sampling" / "tree_kernel.cu").read_text()
     assert int(re.search(r"#define TS_CHUNK (\d+)", text).group(1)) == categorical.CHUNK
     assert int(re.search(r"#define TS_THREADS (\d+)", text).group(1)) == cupy_tree.THREADS
+
+
+def test_draw_kernel_block_size_is_the_launchs():
+    import re
+
+    from sampling import cupy_draw
+
+    text = (Path(__file__).resolve().parents[2] / "sampling" / "draw_kernel.cu").read_text()
+    assert int(re.search(r"#define CD_THREADS (\d+)", text).group(1)) == cupy_draw.THREADS
