@@ -389,6 +389,8 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
 
 SHAPES = {
     "llama3-8b": dict(hidden=4096, layers=32, heads=32, kv=8, ffn=14336, vocab=128256, theta=500000.0),
+    # SmolLM2-135M-Instruct's shape: a model whose decode step is host-bound on a GPU
+    "smollm2-135m": dict(hidden=576, layers=30, heads=9, kv=3, ffn=1536, vocab=49152, theta=100000.0),
     "tinyllama-1.1b": dict(hidden=2048, layers=22, heads=32, kv=4, ffn=5632, vocab=32000, theta=10000.0),
     # a small model whose prefill and KV handoff take comparable time on a CPU (bench/layerwise.py)
     "kv-heavy": dict(hidden=256, layers=8, heads=4, kv=4, ffn=512, vocab=512, theta=10000.0),
