@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from common.transfer import device_tensor, shared_tensor, to_device
 from sampling.batch import VerifyBatch
@@ -112,7 +111,8 @@ class Verifier:
     ) -> VerifyResult:
         """One step: row b's proposal in `batch` (sampling/batch.py) against the target's logits
         after its last emitted token and after each node, target_logits [B, N+1, Vt] (any float
-        dtype), or B tensors [N_b+1, Vt] (stacked; padded with zeros where N_b differ). params and rngs:
+        dtype), or B tensors [N_b+1, Vt] (stacked; where N_b differ, padded with copies of each
+        row's last logits, which nothing reads). params and rngs:
         one per row. Chains (`batch.chain`) take the chain kernel, anything else the tree
         kernel (sampling/proposal.py's layout), one launch for the batch either way.
 
@@ -131,7 +131,7 @@ class Verifier:
         elif batch.chain and not batch.ragged:
             logits = torch.stack(list(target_logits))
         else:
-            logits = pad_sequence(list(target_logits), batch_first=True)  # 0 past a row
+            logits = padded(list(target_logits))
         logits = logits.to(self.device) if batch.chain else logits.to(self.device, torch.float32)
         if logits.dim() != 3 or tuple(logits.shape[:2]) != (rows, batch.nodes + 1):
             raise ValueError(f"target_logits: expected shape [{rows}, {batch.nodes + 1}, Vt], got {list(logits.shape)}")
@@ -242,6 +242,29 @@ class Verifier:
             accepted_per_position=torch.arange(n, device=self.device) < accepted[:, None],
         )
         return VerifyResult(result.output_token_ids, emitted, stats, result.accepted_nodes)
+
+
+def padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """B tensors [n_b, V] (n_b >= 1) -> [B, max n_b, V]: row b's n_b rows, then copies of its last
+    one (never read: past a row nothing is emitted). One concatenation and one gather (the index
+    is shared while the rows' lengths repeat), where padding row by row is a copy launch per row."""
+    lengths = [len(row) for row in rows]
+    if min(lengths, default=0) < 1:
+        raise ValueError(f"target_logits: expected at least one row of logits per batch row, got lengths {lengths}")
+    width = max(lengths)
+    flat = torch.cat(rows)  # [sum n_b, V]
+    index = shared_tensor(_padded_index(tuple(lengths), width), torch.int64, flat.device)
+    return flat.index_select(0, index).view(len(rows), width, flat.shape[-1])
+
+
+@functools.lru_cache(maxsize=64)
+def _padded_index(lengths: tuple[int, ...], width: int) -> tuple[int, ...]:
+    """[B * width] flat row of (b, j): b's row min(j, n_b - 1)."""
+    out, start = [], 0
+    for n in lengths:
+        out.extend(start + min(j, n - 1) for j in range(width))
+        start += n
+    return tuple(out)
 
 
 def context_depths(parents: torch.Tensor) -> torch.Tensor:

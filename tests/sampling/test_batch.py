@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sampling import NO_PROPOSAL, Proposal, RequestRng, SamplingParams, Verifier, VerifyBatch, point_mass
+from sampling.verifier import padded
 
 
 def test_chains_of_one_depth_and_law_are_a_chain():
@@ -111,5 +112,21 @@ def test_point_mass_chains_of_different_lengths_stay_a_chain_and_verify_as_the_t
         assert chain_out.stats.draft_tokens.tolist() == sizes
         assert torch.equal(chain_out.stats.accepted_tokens, tree_out.stats.accepted_tokens)
         assert torch.equal(chain_out.stats.accepted_per_position, tree_out.stats.accepted_per_position)
+        # The rows given as a list are padded by copies of their last logits; padding them with
+        # anything else (here noise) changes nothing a row emits: past a row nothing is read.
+        noise = torch.randn(rows, n + 1, vocab, generator=gen) * 5
+        for b, row in enumerate(logits):
+            noise[b, : len(row)] = row
+        for layout in (batch, tree):
+            listed = verifier.verify(layout, logits, params, [RequestRng(b) for b in range(rows)])
+            noisy = verifier.verify(layout, noise, params, [RequestRng(b) for b in range(rows)])
+            assert listed.host() == noisy.host()
+            assert torch.equal(listed.accepted_token_num, noisy.accepted_token_num)
+    assert padded([torch.ones(1, 2), torch.arange(6.0).view(3, 2)]).tolist() == [
+        [[1, 1], [1, 1], [1, 1]],
+        [[0, 1], [2, 3], [4, 5]],
+    ]
+    with pytest.raises(ValueError, match="target_logits"):
+        padded([torch.ones(1, 2), torch.ones(0, 2)])
     with_law = [Proposal([1], [-1], torch.full((1, vocab), 1 / vocab)), Proposal([1, 2], [-1, 0], None)]
     assert not VerifyBatch.build(with_law, [3, 4], vocab, torch.device("cpu")).chain  # a law: the tree layout
