@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.transfer import HostCopy, pinned, to_device, to_host_async
+from common.transfer import HostCopy, pinned, shared_tensor, to_device, to_host_async
 from engine.device import on_device
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
 from engine.options import ATTENTION_BACKENDS, MAX_GRAPH_QUERIES
@@ -352,7 +352,7 @@ class PagedLlamaLM(ChunkedImport):
             padded=True,
         )
         place = padded_places(lengths, queries)  # [N]
-        at = to_device(place, self.device)
+        at = shared_tensor(place.tolist(), torch.int64, self.device)  # a batch's steps repeat it: no copy
         size = rows * queries
         graph.fill(
             pad_rows(tokens, at if tokens.device.type != "cpu" else place, size),  # drafting: on the device

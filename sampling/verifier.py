@@ -164,7 +164,7 @@ class Verifier:
                 uniforms[shared_tensor(at, torch.int64, self.device), : k + 1] = drawn
         target = sample_target(target_logits, tensors, uniforms[:, : k + 1])
         output, emitted = self.sampler(
-            to_device(batch.draft_token_ids, self.device),
+            _on_device(batch.draft_token_ids, self.device),
             None if batch.draft_probs is None else batch.draft_probs.to(self.device),
             target.probs,
             target.token_ids,
@@ -265,6 +265,13 @@ def _padded_index(lengths: tuple[int, ...], width: int) -> tuple[int, ...]:
         out.extend(start + min(j, n - 1) for j in range(width))
         start += n
     return tuple(out)
+
+
+def _on_device(draft_token_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The draft ids on the device; a K = 0 step's [B, 0] are allocated there, not copied."""
+    if draft_token_ids.shape[-1] == 0:
+        return torch.empty(draft_token_ids.shape, dtype=draft_token_ids.dtype, device=device)
+    return to_device(draft_token_ids, device)
 
 
 def context_depths(parents: torch.Tensor) -> torch.Tensor:
