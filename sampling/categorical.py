@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from common.transfer import cupy_available
+from sampling.cupy_draw import categorical_sample_cupy
 
 CHUNK = 1024  # elements per chunk of the first level (fewer when V is smaller)
 _SLICE_ELEMENTS = 1 << 20  # float64 slices of at most 8 MB
@@ -28,8 +29,6 @@ def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, t
     made a sampled step cost the host several times a greedy one; the same rule elsewhere.
     The torch function stays the reference the kernels are tested against."""
     if weights.is_cuda and weights.dtype == torch.float32 and cupy_available():
-        from sampling.cupy_draw import categorical_sample_cupy  # its imports include this module's users
-
         return categorical_sample_cupy(weights, uniforms)
     return inverse_cdf_sample(weights, uniforms)
 

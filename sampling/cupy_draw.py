@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sampling.cupy_sampler import _cupy_stream
+from sampling.cupy_launch import cupy_stream
 
 SOURCE = Path(__file__).with_name("draw_kernel.cu")
 THREADS = 256  # CD_THREADS in the .cu file
@@ -38,7 +38,7 @@ def _kernels(device_index: int) -> dict:
 def _launch(device: torch.device) -> tuple[dict, object]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream_ptr = torch._C._cuda_getCurrentRawStream(index)
-    return _kernels(index), _cupy_stream(stream_ptr, index)
+    return _kernels(index), cupy_stream(stream_ptr, index)
 
 
 def categorical_sample_cupy(weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

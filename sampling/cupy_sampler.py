@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from sampling.batch import ChainInputs
+from sampling.cupy_launch import cupy_stream
 
 SOURCE = Path(__file__).with_name("rejection_kernel.cu")
 KERNEL_NAMES = {True: "rejection_sample_dense", False: "rejection_sample_point_mass"}  # by `dense`
@@ -50,26 +51,6 @@ def _kernels(device_index: int) -> dict:
 @functools.cache
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-class _StreamHandle:
-    """A raw stream pointer in the CUDA stream protocol, for `cupy.cuda.Stream.from_external`."""
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
-
-
-@functools.cache
-def _cupy_stream(stream_ptr: int, device_index: int):
-    import cupy
-
-    with cupy.cuda.Device(device_index):
-        if hasattr(cupy.cuda.Stream, "from_external"):
-            return cupy.cuda.Stream.from_external(_StreamHandle(stream_ptr))
-        return cupy.cuda.ExternalStream(stream_ptr, device_index)  # CuPy < 14
 
 
 def chunk_size(batch: int, vocab: int, multiprocessors: int, dense: bool) -> int:
@@ -171,6 +152,6 @@ def rejection_sample_cupy(inputs: ChainInputs) -> tuple[torch.Tensor, torch.Tens
     grid = (-(-num_chunks // per_block), min(batch, MAX_GRID_Y))
     # A one-element numpy array is passed to the kernel by value: the RsParams struct.
     _kernels(index)[dense](
-        grid, (THREADS,), (np.frombuffer(params, _PARAMS_DTYPE),), stream=_cupy_stream(stream_ptr, index)
+        grid, (THREADS,), (np.frombuffer(params, _PARAMS_DTYPE),), stream=cupy_stream(stream_ptr, index)
     )
     return output_token_ids, accepted_token_num

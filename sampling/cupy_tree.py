@@ -21,7 +21,7 @@ import torch
 
 from sampling.batch import TreeInputs
 from sampling.categorical import CHUNK
-from sampling.cupy_sampler import _cupy_stream
+from sampling.cupy_launch import cupy_stream
 
 SOURCE = Path(__file__).with_name("tree_kernel.cu")
 KERNEL_NAMES = {True: "tree_rejection_sample_dense", False: "tree_rejection_sample_point_mass"}  # by `dense`
@@ -136,6 +136,6 @@ def tree_rejection_sample_cupy(inputs: TreeInputs) -> tuple[torch.Tensor, torch.
         (min(batch, MAX_GRID),),
         (THREADS,),
         (np.frombuffer(params, _PARAMS_DTYPE),),
-        stream=_cupy_stream(stream_ptr, index),
+        stream=cupy_stream(stream_ptr, index),
     )
     return output_token_ids, accepted_token_num, accepted_nodes
