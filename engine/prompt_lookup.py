@@ -66,6 +66,10 @@ class ContextIndex:
             return [], 0
         self._index()
         toks = self.tokens
+        # Every earlier occurrence of a longer suffix ends with one of the shortest: without that,
+        # no n matches (one lookup for the usual step of a row with no match, not one per n).
+        if len(toks) <= self.lo or tuple(toks[-self.lo :]) not in self._last[self.lo]:
+            return [], 0
         for n in range(min(self.hi, len(toks) - 1), self.lo - 1, -1):
             end = self._last[n].get(tuple(toks[-n:]))
             if end is not None:

@@ -112,8 +112,8 @@ class SpecPolicy:
         self._floor, self._drafted = 0.0, 0
         if gateable:
             self._floor = self.gate.floor(len(seqs))
-            expected = sum(self._gain(s, s in unread) for s in seqs)
-            held = not pipelines and not self.gate.allows(len(seqs), expected)
+            # a step that pipelines emits a token a row whatever the gate says: no gain to price
+            held = not pipelines and not self.gate.allows(len(seqs), sum(self._gain(s, s in unread) for s in seqs))
             self._gated = (len(seqs), not (pipelines or held))
         for seq in seqs:
             self._rows[seq].gated = held
