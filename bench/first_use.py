@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--lengths", default=None, help="default 1-69,70-519:7 (--smoke: 1,2,17,33)")
     parser.add_argument("--profile", action="store_true", help="profile every first call (slower)")
     parser.add_argument("--smoke", action="store_true", help="the tiny shape, nothing kept")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()
     if args.smoke:
         args.shape, args.draft_layers = "smoke", 1
@@ -119,7 +120,7 @@ def main() -> None:
     text = f"start-up {startup:.1f} s; {len(stalls)} of {len(rows)} lengths stall\n{table}"
     env = environment()
     env.update(device=device, shape=args.target_model or args.shape)
-    report("first_use", env, {"startup_s": startup, "rows": rows}, text, keep=not args.smoke)
+    report("first_use", env, {"startup_s": startup, "rows": rows}, text, keep=not args.smoke, json_path=args.json)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ a step's status: passed, failed, timeout, skipped when not asked for, not run an
                 waits, layer-by-layer KV), the transformer distribution test with the kernels
   eagle-tests   pytest -m gpu: the hidden-state head's features under graph replays, and its
                 requests through both nodes against K = 0
+  first-use     bench/first_use.py --profile: which prompt lengths stall a fresh prefill engine
+                on first use, and the operators the stalls spend their time in
   speedup       bench/speedup.py, short: K = 0 against the serving default (prompt lookup,
                 K = 4) on SmolLM2-135M-Instruct, T = 0, batch 1 and 16, 2 prompts a class, 64
                 tokens; with --baseline-tree, that tree too, the trees alternating for --rounds
@@ -36,7 +38,7 @@ last (while the machine is warm, /tmp keeps what the earlier ones left):
   call 2, carry [".whl", ".carry/gguf.2", ".carry/gguf.sha256", ".carry/commit"] (+ ".carry/base"):
     make gpu-stash && make gpu-check GPU_CHECK_FLAGS="--out $OUT --only kernel-tests,engine-tests,eagle-tests"
   call 3, carry [".whl", ".carry/gguf.sha256", ".carry/commit"] (+ ".carry/base"):
-    make gpu-check GPU_CHECK_FLAGS="--out $OUT --only serve-tests,speedup,acceptance,e2e"
+    make gpu-check GPU_CHECK_FLAGS="--out $OUT --only first-use,serve-tests,speedup,acceptance,e2e"
     (+ " --baseline-tree .carry/base")
   The steps take calls 2 and 3: together they outlast one call's 10 minutes.
   Without make: `python3 bench/gpu_check.py --stash`, and for a check
@@ -87,6 +89,10 @@ BUDGETS = {
     # the hidden-state head on the GPU: graph replays keep the eager features, both nodes give
     # K = 0's tokens (eagle, hybrid)
     "eagle-tests": 120,
+    # a fresh prefill engine on SmolLM2's shape (random weights: no GGUF), ~130 prompt lengths
+    # each prefilled twice, every first call profiled: ~30 s expected (its first H100 run: 6 s
+    # start-up, four stalls of 0.6-0.9 s)
+    "first-use": 90,
     # a process that loads SmolLM2 three times, two pairs of nodes (each measuring its step costs
     # and capturing its CUDA graphs at start-up), then the decoding: ~100 s measured per tree
     "speedup": 150,
@@ -228,6 +234,21 @@ def acceptance_step(args: argparse.Namespace, scratch: Path) -> tuple[list[Run],
         if not all(r["outputs_equal_k0"] and r.get("acceptance_within_bound", True) for r in found):
             done[-1]["status"] = "failed"  # exactness, or the oracle's acceptance off its bound
         return {"rows": [{k: r[k] for k in keep if k in r} for r in found]}
+
+    return [Run(command)], figures
+
+
+def first_use_step(args: argparse.Namespace, scratch: Path) -> tuple[list[Run], Callable]:
+    rows = scratch / "first_use.json"
+    sizes = ["--smoke"] if args.smoke else ["--profile"]
+    command = [sys.executable, str(BENCH / "first_use.py"), "--device", args.device, *sizes, "--json", str(rows)]
+
+    def figures(done: list[dict]) -> dict:
+        if not rows.is_file():
+            return {}
+        found = json.loads(rows.read_text())
+        stalls = [r for r in found["rows"] if r["stall"]]
+        return {"startup_s": found["startup_s"], "lengths": len(found["rows"]), "stalls": stalls}
 
     return [Run(command)], figures
 
@@ -510,6 +531,7 @@ def main() -> None:
         "kernel-tests": lambda: pytest_step("kernel-tests", args, scratch),
         "engine-tests": lambda: pytest_step("engine-tests", args, scratch),
         "eagle-tests": lambda: pytest_step("eagle-tests", args, scratch),
+        "first-use": lambda: first_use_step(args, scratch),
         "speedup": lambda: speedup_step(args, scratch),
         "acceptance": lambda: acceptance_step(args, scratch),
         "e2e": lambda: e2e_step(args, scratch),

@@ -16,7 +16,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-STEPS = ["kernel-tests", "engine-tests", "eagle-tests", "speedup", "acceptance", "e2e", "serve-tests", "api"]
+STEPS = [
+    "kernel-tests",
+    "engine-tests",
+    "eagle-tests",
+    "first-use",
+    "speedup",
+    "acceptance",
+    "e2e",
+    "serve-tests",
+    "api",
+]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +59,7 @@ def test_each_step_is_run_skipped_or_killed_at_its_budget(check):
     done, results, _ = check
     steps = {s["step"]: s for s in results["rows"]["steps"]}
     assert list(steps) == STEPS
-    for name in ("kernel-tests", "engine-tests", "eagle-tests", "e2e"):
+    for name in ("kernel-tests", "engine-tests", "eagle-tests", "first-use", "e2e"):
         assert steps[name]["status"] == "skipped" and "--only" in steps[name]["reason"]
     assert steps["acceptance"]["status"] == "passed", steps["acceptance"].get("output_tail")
     assert steps["serve-tests"]["status"] == "timeout" and steps["serve-tests"]["seconds"] < 10
