@@ -8,7 +8,9 @@
 //     torch computation: unsigned 64-bit arithmetic wraps the same way.
 //
 // Self-contained like rejection_kernel.cu: NVRTC, hiprtc, nvcc or hipcc; every reduction goes
-// through shared memory (no warp intrinsics, no warp-size assumption).
+// through shared memory (no warp intrinsics, no warp-size assumption). Its block scan and sum are
+// that kernel's, copied, so that each source compiles standalone (as tests/sampling/
+// test_kernel_compile.py builds every .cu with nvcc and hipcc).
 
 #if defined(__HIPCC__) && !defined(__HIPCC_RTC__)
 #include <hip/hip_runtime.h>
