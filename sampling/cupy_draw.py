@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sampling.cupy_launch import cupy_stream
+from sampling.cupy_launch import cupy_stream, current
 
 SOURCE = Path(__file__).with_name("draw_kernel.cu")
 THREADS = 256  # CD_THREADS in the .cu file
@@ -36,8 +36,7 @@ def _kernels(device_index: int) -> dict:
 
 
 def _launch(device: torch.device) -> tuple[dict, object]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream_ptr = torch._C._cuda_getCurrentRawStream(index)
+    index, stream_ptr = current(device)
     return _kernels(index), cupy_stream(stream_ptr, index)
 
 

@@ -1,10 +1,20 @@
 """What every CuPy kernel launch of `sampling/` shares (a leaf: it imports nothing of the
-project's): torch's current stream as a CuPy stream, cached per (stream, device), so that a
-kernel is queued behind the torch work before it, as torch's own kernels are."""
+project's): the device and torch's current stream, and that stream as a CuPy stream (cached per
+stream and device), so that a kernel is queued behind the torch work before it, as torch's own
+kernels are."""
 
 from __future__ import annotations
 
 import functools
+
+import torch
+
+
+def current(device: torch.device) -> tuple[int, int]:
+    """(the GPU's index, torch's current raw stream on it): what a launch is keyed by. The raw
+    pointer is cheaper to ask for than `torch.cuda.current_stream()`'s object."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, torch._C._cuda_getCurrentRawStream(index)
 
 
 class _StreamHandle:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from sampling.batch import ChainInputs
-from sampling.cupy_launch import cupy_stream
+from sampling.cupy_launch import cupy_stream, current
 
 SOURCE = Path(__file__).with_name("rejection_kernel.cu")
 KERNEL_NAMES = {True: "rejection_sample_dense", False: "rejection_sample_point_mass"}  # by `dense`
@@ -98,7 +98,7 @@ def rejection_sample_cupy(inputs: ChainInputs) -> tuple[torch.Tensor, torch.Tens
     batch, k = inputs.draft_token_ids.shape
     vocab = inputs.target_probs.shape[-1]
     device = inputs.target_probs.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index, stream_ptr = current(device)
     draft_token_ids, target_probs, target_token_ids, uniform_samples, do_sample = (
         t.contiguous()
         for t in (
@@ -116,7 +116,6 @@ def rejection_sample_cupy(inputs: ChainInputs) -> tuple[torch.Tensor, torch.Tens
     chunk = chunk_size(batch, vocab, sms, dense)
     num_chunks = -(-vocab // chunk)
     per_block = chunks_per_block(batch, num_chunks, sms)
-    stream_ptr = torch._C._cuda_getCurrentRawStream(index)  # cheaper than current_stream() objects
     workspace = _workspaces.get((index, stream_ptr))
     if workspace is None:
         workspace = _workspaces[(index, stream_ptr)] = _Workspace(device)

@@ -21,7 +21,7 @@ import torch
 
 from sampling.batch import TreeInputs
 from sampling.categorical import CHUNK
-from sampling.cupy_launch import cupy_stream
+from sampling.cupy_launch import cupy_stream, current
 
 SOURCE = Path(__file__).with_name("tree_kernel.cu")
 KERNEL_NAMES = {True: "tree_rejection_sample_dense", False: "tree_rejection_sample_point_mass"}  # by `dense`
@@ -76,7 +76,7 @@ def tree_rejection_sample_cupy(inputs: TreeInputs) -> tuple[torch.Tensor, torch.
     batch, n_nodes = inputs.draft_token_ids.shape
     vocab = inputs.target_probs.shape[-1]
     device = inputs.target_probs.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index, stream_ptr = current(device)
     draft_token_ids, parents, target_probs, target_token_ids, accept_uniforms, recover_uniforms, do_sample = (
         t.contiguous()
         for t in (
@@ -93,7 +93,6 @@ def tree_rejection_sample_cupy(inputs: TreeInputs) -> tuple[torch.Tensor, torch.
     draft_probs = None if inputs.draft_probs is None else inputs.draft_probs.contiguous()
 
     num_chunks = -(-vocab // CHUNK)
-    stream_ptr = torch._C._cuda_getCurrentRawStream(index)  # cheaper than current_stream() objects
     workspace = _workspaces.get((index, stream_ptr))
     if workspace is None:
         workspace = _workspaces[(index, stream_ptr)] = _Workspace(device)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.transfer import device_tensor, shared_tensor, to_device
+from common.transfer import device_tensor, indexed, shared_tensor, to_device
 from sampling.batch import VerifyBatch
 from sampling.filtering import restrict
 from sampling.params import SamplingParams, SamplingTensors
@@ -247,24 +247,24 @@ class Verifier:
 def padded(rows: list[torch.Tensor]) -> torch.Tensor:
     """B tensors [n_b, V] (n_b >= 1) -> [B, max n_b, V]: row b's n_b rows, then copies of its last
     one (never read: past a row nothing is emitted). One concatenation and one gather (the index
-    is shared while the rows' lengths repeat), where padding row by row is a copy launch per row."""
+    is kept while the rows' lengths repeat), where padding row by row is a copy launch per row."""
     lengths = [len(row) for row in rows]
     if min(lengths, default=0) < 1:
         raise ValueError(f"target_logits: expected at least one row of logits per batch row, got lengths {lengths}")
     width = max(lengths)
     flat = torch.cat(rows)  # [sum n_b, V]
-    index = shared_tensor(_padded_index(tuple(lengths), width), torch.int64, flat.device)
+    index = _padded_index(tuple(lengths), width, indexed(flat.device))
     return flat.index_select(0, index).view(len(rows), width, flat.shape[-1])
 
 
 @functools.lru_cache(maxsize=64)
-def _padded_index(lengths: tuple[int, ...], width: int) -> tuple[int, ...]:
-    """[B * width] flat row of (b, j): b's row min(j, n_b - 1)."""
+def _padded_index(lengths: tuple[int, ...], width: int, device: torch.device) -> torch.Tensor:
+    """[B * width] int64 on `device`, never written: the flat row of (b, j), b's row min(j, n_b - 1)."""
     out, start = [], 0
     for n in lengths:
         out.extend(start + min(j, n - 1) for j in range(width))
         start += n
-    return tuple(out)
+    return device_tensor(out, torch.int64, device)
 
 
 def _on_device(draft_token_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
