@@ -76,6 +76,10 @@ class SpecPolicy:
         self._gated: tuple[int, bool] | None = None  # (rows, speculated) of this step, when the gate chose it
         self._floor = 0.0  # BatchGate.floor of this step's batch: the drafts a gated step verifies
         self._drafted = 0  # drafts this step verifies, for the gate's fit
+        # The cost table was measured here (not configured): then a single row's steps are gated
+        # too, since what a step costs as the node runs it (its host work, the read-back a
+        # speculating step waits for) is what the start-up table leaves out.
+        self._measured = False
 
     # -- rows ---------------------------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
@@ -90,8 +94,9 @@ class SpecPolicy:
     def hold(self, seqs: list[Sequence], unread: Collection[Sequence]) -> bool:
         """Whether this step runs at K = 0 (queued, with async scheduling): when every row emits
         one token anyway (`pipelines`), or when the batch gate holds it there. `unread`: the rows
-        of the step in flight. Only a batch of more than one row with nothing to read back but
-        their tokens is gated; its step is then timed for the gate (`timed`), of either kind. A
+        of the step in flight. A batch with nothing to read back but its tokens is gated (a
+        single row only where the cost table was measured on this node: a configured table is
+        the whole policy); its step is then timed for the gate (`timed`), of either kind. A
         row on its first step is held by dropping the prefill's proposal (a point mass too):
         else every request that joins a large batch would make one step of the whole batch
         speculate."""
@@ -100,7 +105,7 @@ class SpecPolicy:
         pipelines = self.pipelines(seqs, unread)
         gateable = (
             self.gate is not None
-            and len(seqs) > 1
+            and (len(seqs) > 1 or self._measured)
             and all(
                 not s.logprobs
                 and s.grammar is None  # its mask comes with every step: never queued
@@ -149,6 +154,7 @@ class SpecPolicy:
         if not self.spec.adaptive or not measure:
             return self.costs
         self.costs = calibrate(target, draft, verifier, self.spec.max_speculative_tokens, self.pipelined)
+        self._measured = True
         log.info(
             "adaptive K step costs: verify %s, draft depth %.2f, K = 0 read back %.2f",
             self.costs.verify,

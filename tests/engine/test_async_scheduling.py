@@ -60,26 +60,29 @@ def run(
     gate: str = "off",
     max_batch: int = 8,
     preempt_after_steps: int = 0,
+    measured: bool = False,
 ):
     """The requests through a prefill engine and a decode engine stepped by hand: per request,
     (tokens, finish reason); `cancel_after` {request: steps} cancels it after that many steps.
     `run.computed`: the target positions the decode engine ran. gate: no batch gate ("off":
     adaptive K must not depend on timings here), or one that starts out having measured K = 0
-    steps as the faster kind at every batch size ("plain-faster")."""
+    steps as the faster kind at every batch size ("plain-faster"). measured: adaptive K's cost
+    table measured on the pair at start-up, as a node does by default, instead of configured."""
     prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(method=method)))
     config = DecodeConfig(
         spec=SpeculativeConfig(max_speculative_tokens=4, method=method),
         max_batch=max_batch,
         async_scheduling=scheduling,
         preempt_after_steps=preempt_after_steps,
-        step_costs=StepCosts((1.0, 1.2, 1.3, 1.4, 1.5)),
+        step_costs=None if measured else StepCosts((1.0, 1.2, 1.3, 1.4, 1.5)),
     )
     decode = DecodeEngine(pair, config)
+    decode.calibrate()
     assert decode.config.pipelined == (scheduling == "on")
     if gate == "off":
         decode.policy.gate = None
     elif gate == "plain-faster":  # a speculating step 100x a K = 0 one: no acceptance pays for it
-        for batch in (2, 4, 8):
+        for batch in (1, 2, 4, 8):
             for speculated, seconds in ((True, 100.0), (True, 100.0), (False, 1.0), (False, 1.0)):
                 decode.policy.gate.record(batch, speculated, seconds)
     receiver = Receiver.from_contract(pair.contract(), 4)
@@ -205,6 +208,22 @@ def test_the_batch_gate_holds_rows_whose_tokens_do_not_depend_on_k(pair, schedul
             assert run.pipelined > 0
         free = run(pair, batch, scheduling, method="prompt-lookup")
         assert held == free and run.stats[0].prompt_lookup_tokens > 0  # ungated, the repeated prompt drafts
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_a_row_alone_is_gated_only_where_the_node_measured_its_step_costs(pair, scheduling):
+    """A row alone in the batch is priced by the gate too when the cost table was measured on
+    this node (what its steps really take, host work and read-backs included, is what the
+    start-up table leaves out), and not when the table was configured (then the table is the
+    whole policy). Held, it emits the tokens of the engine that drafts."""
+    twice = [*range(3, 12), *range(3, 12)]
+    repeated = pdspec_pb2.GenerateRequest(prompt_token_ids=[*twice, 2, *twice], num_speculative_tokens=4)
+    repeated.sampling.max_new_tokens = 30
+    held = run(pair, [repeated], scheduling, method="prompt-lookup", gate="plain-faster", measured=True)
+    assert run.stats[0].verify_steps == 0
+    configured = run(pair, [repeated], scheduling, method="prompt-lookup", gate="plain-faster")
+    assert run.stats[0].verify_steps > 0 and run.stats[0].prompt_lookup_tokens > 0
+    assert held == configured
 
 
 @pytest.mark.parametrize("scheduling", ["on", "off"])
