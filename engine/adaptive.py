@@ -211,7 +211,13 @@ class BatchGate:
     their drafted tokens, against what a token takes at K = 0), so the rows whose drafts do not
     pay at this batch size run at K = 0 beside those whose drafts do. The engine gates only rows
     whose tokens do not depend on K (point-mass proposals verified by coupling,
-    sampling/verifier.py): a seeded row's tokens may not depend on what else is in the batch."""
+    sampling/verifier.py): a seeded row's tokens may not depend on what else is in the batch.
+
+    The rows' E(K) is itself a forecast, and a biased one: a row drafts when its estimate looks
+    good, so the steps that speculate are those whose rows' estimates ran high. The gate keeps
+    the tokens its speculating steps actually emitted over the tokens their rows expected
+    (`realism`, smoothed over those steps, every batch size together) and prices a step's
+    expectation at that rate, so a forecast that keeps running high stops paying for itself."""
 
     PROBE_EVERY = 64  # steps between probes of the other kind, at least
     PROBE_STEPS = 3
@@ -220,6 +226,8 @@ class BatchGate:
     FIT_SMOOTHING = 0.1  # weight of the newest speculating step in the fit of its time on its drafts
     FIT_STEPS = 8  # speculating steps fitted before the fit is used
     FIT_SPREAD = 1.0  # the least variance of their drafted tokens (tokens^2) that tells a slope
+    REALISM_SMOOTHING = 0.1  # weight of the newest speculating step in `realism`
+    REALISM_RANGE = (0.5, 1.5)  # how far measured outcomes may move the rows' forecasts
 
     def __init__(self) -> None:
         self._times: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> seconds per step
@@ -228,6 +236,7 @@ class BatchGate:
         # bucket -> speculating steps fitted, and the weighted means of D, S, D^2 and D*S (D: drafted
         # tokens, S: seconds)
         self._fit: dict[int, list[float]] = {}
+        self.realism = 1.0  # tokens the speculating steps emitted over those their rows expected
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -256,12 +265,12 @@ class BatchGate:
 
     def allows(self, batch: int, expected: float) -> bool:
         """Whether a step of `batch` rows that expect `expected` tokens in all from speculating
-        may speculate (False: run it at K = 0)."""
+        (at `realism`) may speculate (False: run it at K = 0)."""
         bucket = self.bucket(batch)
         plain, spec = self._times_at(bucket)
         if spec is None or plain is None:
             return spec is None  # time speculating first, then K = 0
-        speculate = expected / spec >= batch / plain
+        speculate = expected * self.realism / spec >= batch / plain
         # Probing a speculating step that costs r K = 0 steps every n steps costs PROBE_STEPS * r / n.
         every = (
             self.PROBE_EVERY if speculate else max(self.PROBE_EVERY, self.PROBE_STEPS * spec / plain / self.PROBE_SHARE)
@@ -271,8 +280,16 @@ class BatchGate:
         self._since[bucket] = 0 if since >= every + self.PROBE_STEPS else since
         return speculate != probe
 
-    def record(self, batch: int, speculated: bool, seconds: float, drafted: int = 0) -> None:
-        """The wall time of one step of `batch` rows that verified `drafted` drafts in all."""
+    def record(
+        self, batch: int, speculated: bool, seconds: float, drafted: int = 0, expected: float = 0.0, emitted: int = 0
+    ) -> None:
+        """The wall time of one step of `batch` rows that verified `drafted` drafts in all; a
+        speculating step's rows expected `expected` tokens of it (the E(K) the gate priced) and
+        emitted `emitted` (0 and 0: not known)."""
+        if speculated and expected > 0:
+            low, high = self.REALISM_RANGE
+            ratio = min(high, max(low, emitted / expected))
+            self.realism += self.REALISM_SMOOTHING * (ratio - self.realism)
         key = (self.bucket(batch), speculated)
         last, self._last = self._last, key
         if last != key or seconds <= 0:

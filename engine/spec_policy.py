@@ -76,6 +76,8 @@ class SpecPolicy:
         self._gated: tuple[int, bool] | None = None  # (rows, speculated) of this step, when the gate chose it
         self._floor = 0.0  # BatchGate.floor of this step's batch: the drafts a gated step verifies
         self._drafted = 0  # drafts this step verifies, for the gate's fit
+        self._expected = 0.0  # tokens this step's rows expect from it, where the gate let it speculate
+        self._emitted = 0  # tokens this step's rows emitted, for the gate's `realism`
         # The cost table was measured here (not configured): then a single row's steps are gated
         # too, since what a step costs as the node runs it (its host work, the read-back a
         # speculating step waits for) is what the start-up table leaves out.
@@ -114,11 +116,13 @@ class SpecPolicy:
             )
         )
         held = False
-        self._floor, self._drafted = 0.0, 0
+        self._floor, self._drafted, self._expected, self._emitted = 0.0, 0, 0.0, 0
         if gateable:
             self._floor = self.gate.floor(len(seqs))
             # a step that pipelines emits a token a row whatever the gate says: no gain to price
-            held = not pipelines and not self.gate.allows(len(seqs), sum(self._gain(s, s in unread) for s in seqs))
+            if not pipelines:
+                self._expected = sum(self._gain(s, s in unread) for s in seqs)
+                held = not self.gate.allows(len(seqs), self._expected)
             self._gated = (len(seqs), not (pipelines or held))
         for seq in seqs:
             self._rows[seq].gated = held
@@ -167,7 +171,7 @@ class SpecPolicy:
         """The wall time of this step, for the batch gate when it chose the step's kind."""
         if self._gated is not None:
             rows, speculated = self._gated
-            self.gate.record(rows, speculated, seconds, self._drafted)
+            self.gate.record(rows, speculated, seconds, self._drafted, self._expected, self._emitted)
             self._gated = None
 
     # -- what a step showed ---------------------------------------------------------------
@@ -178,16 +182,20 @@ class SpecPolicy:
         batch gate held is no observation: its counts would decay toward the prior, held step
         after held step, until the gate, reading the rows' E(K), let a batch whose drafts do not
         pay speculate again; the gate probes for the rows it holds (`BatchGate.allows`)."""
-        row = self._rows[seq]
-        if row.adaptive is not None and not row.gated:  # a held step drafted nothing
-            row.adaptive.observe(None if source == PREFILL else source, depth, accepted)
-            self.shown.count(source, depth, accepted)
+        self._emitted += accepted + 1
+        self._observe(seq, source, depth, accepted)
 
     def ran_plain(self, seq: Sequence) -> None:
         """A row that may speculate ran a queued K = 0 step. That step was decided one step ago,
         and `gated` is the step now queued's: the two differ only where the gate changed its
-        mind, by one decay."""
-        self.verified(seq, None, 0, 0)
+        mind, by one decay. (Read while the next step runs: none of that step's tokens.)"""
+        self._observe(seq, None, 0, 0)
+
+    def _observe(self, seq: Sequence, source: str | None, depth: int, accepted: int) -> None:
+        row = self._rows[seq]
+        if row.adaptive is not None and not row.gated:  # a held step drafted nothing
+            row.adaptive.observe(None if source == PREFILL else source, depth, accepted)
+            self.shown.count(source, depth, accepted)
 
     def advanced(self, seq: Sequence) -> None:
         """A row's context grew (it goes on): a match-driven row looks for its next match now, so

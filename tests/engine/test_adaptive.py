@@ -363,6 +363,26 @@ def test_the_gate_times_speculating_then_plain_steps_before_it_holds():
     assert gate.time(2, True) is None and not gate.allows(2, 3.0) and gate.allows(2, 4.0)  # 0.2 s at this ratio
 
 
+def test_the_gate_prices_the_rows_forecast_at_what_speculating_steps_emitted():
+    """Speculating steps whose rows emit half the tokens they expected halve the price of the
+    next forecast (within REALISM_RANGE): 24 tokens forecast in 2 s beat 16 in 1 s until the
+    outcomes show that forecast runs high; outcomes above the forecast raise it again."""
+    gate = BatchGate()
+    steps(gate, 16, True, 2.0)
+    steps(gate, 16, False, 1.0)
+    assert gate.allows(16, 40.0)
+    for _ in range(60):  # timed steps and their outcomes: 20 tokens emitted of 40 expected
+        gate.record(16, True, 2.0, expected=40.0, emitted=20)
+    assert gate.realism == pytest.approx(0.5, abs=1e-2) and gate.time(16, True) == 2.0
+    assert not gate.allows(16, 40.0) and gate.allows(16, 66.0)
+    for _ in range(60):
+        gate.record(16, True, 2.0, expected=20.0, emitted=100)  # 5x: clamped to the range's top
+    assert gate.realism == pytest.approx(BatchGate.REALISM_RANGE[1], abs=1e-2)
+    assert gate.allows(16, 22.0)
+    gate.record(16, False, 1.0, expected=10.0, emitted=0)  # a K = 0 step says nothing of a forecast
+    assert gate.realism == pytest.approx(BatchGate.REALISM_RANGE[1], abs=1e-2)
+
+
 def test_a_step_after_one_of_the_other_kind_is_not_timed():
     gate = BatchGate()
     gate.record(4, False, 1.0)  # the first of its kind: not timed

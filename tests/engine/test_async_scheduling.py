@@ -309,6 +309,25 @@ def test_rows_the_gate_holds_keep_the_acceptance_they_showed(pair, scheduling):
 
 
 @pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_the_gate_learns_from_each_speculating_step_what_its_rows_emitted(pair, scheduling):
+    """Each step the gate let speculate reports to it the tokens its rows expected (the E(K)
+    it priced) and the tokens they emitted in that step, which its `realism` follows."""
+    decode = hybrid_decode(pair, scheduling, ((True, 1.0), (True, 1.0), (False, 100.0), (False, 100.0)))
+    gate, reports = decode.policy.gate, []
+    record = gate.record
+    gate.record = lambda *args: (reports.append(args), record(*args))
+    submitted = submit_batch(pair, decode, [request(5 + 2 * i, k=4, max_new=80) for i in range(4)])
+    for _ in range(8):
+        before = sum(len(r.seq.history) for r in submitted)
+        decode.step()
+        rows, speculated, _, _, expected, emitted = reports[-1]
+        assert rows == 4 and speculated and expected >= rows
+        assert emitted == sum(len(r.seq.history) for r in submitted) - before
+    assert gate.realism != 1.0
+    finish(pair, decode, submitted)
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
 def test_the_gate_prices_newcomers_at_what_the_nodes_rows_showed(pair, scheduling):
     """A row that has shown nothing yet (its first step verifies the prefill node's proposal) is
     priced by the gate at the acceptance the node's rows showed lately, not at the prior: where
