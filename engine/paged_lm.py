@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from common.transfer import HostCopy, pinned, shared_tensor, to_device, to_host_async
-from engine.device import on_device
+from engine.device import on_device, serve_attention_without_cudnn
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
 from engine.options import ATTENTION_BACKENDS, MAX_GRAPH_QUERIES
 from models.base import (
@@ -547,11 +547,13 @@ def paged_pair(
     """The pair with its Llama models on paged pools sharing `kv_cache_bytes`: target and
     draft pools hold the same number of tokens (every request has KV in both), so the bytes
     split by their per-token sizes (a layer-skip draft of N of L layers takes N/(N+L)).
-    On a GPU the elementwise kernels are compiled here (`warm_up`), then the graphs of
-    `capture` are captured. Other backends (n-gram, transformers) are returned as they are."""
+    On a GPU, SDPA is kept off cuDNN (`serve_attention_without_cudnn`), the elementwise kernels
+    are compiled here (`warm_up`), then the graphs of `capture` are captured. Other backends
+    (n-gram, transformers) are returned as they are."""
     if not isinstance(pair.target, LlamaCausalLM):
         return pair
     models = [pair.target] + ([pair.draft] if isinstance(pair.draft, LlamaCausalLM) else [])
+    serve_attention_without_cudnn(pair.target.device)  # before any capture: graphs keep the backend chosen
     tokens = kv_cache_bytes // sum(bytes_per_token(m) for m in models)
     target = PagedLlamaLM.with_pool(
         pair.target, tokens * bytes_per_token(pair.target), eager=eager, attention=attention

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decode_node import engine as decode_engine
-from engine.device import on_device
+from engine.device import on_device, serve_attention_without_cudnn
 from models.loader import load_pair
 from prefill_node import engine as prefill_engine
 from protos import pdspec_pb2
@@ -21,6 +21,21 @@ def test_on_device_names_the_gpu_and_is_a_no_op_elsewhere():
     scope = on_device("cuda:1")
     assert isinstance(scope, torch.cuda.device) and scope.idx == 1
     assert isinstance(on_device("cpu"), contextlib.nullcontext)
+
+
+def test_serving_attention_on_a_gpu_leaves_cudnn_out_and_elsewhere_changes_nothing():
+    """cuDNN's SDPA JIT-compiles kernels and builds a graph per shape at first use (prompt
+    lengths that stall a fresh node); a GPU's engines go without it, a CPU's leave it as is."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        serve_attention_without_cudnn("cpu")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        serve_attention_without_cudnn("cuda:0")  # a flag: set on a CPU-only build too
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 @pytest.fixture

@@ -128,6 +128,7 @@ def test_start_up_capture_takes_the_graphs_that_the_steps_replay(gpu_pair):
 
     capture = GraphCapture(batch=4, context=512, target_queries=(1, 5), draft_queries=(1,))
     captured, lazy = paged_pair(gpu_pair, 64 << 20, capture=capture), paged_pair(gpu_pair, 64 << 20)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()  # no per-shape cuDNN graph or JIT at a request
     capacity = captured.target.capacity_tokens()
     assert sorted(captured.target._graphs) == capture_keys(4, 512, (1, 5), capacity)  # 3 x 2 x 2
     assert sorted(captured.draft._graphs) == capture_keys(4, 512, (1,), capacity)
