@@ -10,7 +10,9 @@ that length uses for the first time (a compile, an autotune, a library's per-sha
 allocator growth), the second is the steady cost. A length whose first call takes over
 3x the second plus 20 ms is a stall. Per stall: the torch.compile graphs compiled meanwhile
 (dynamo's counters), and with `--profile` the host operators that took the most time in that
-first call (torch.profiler around every first call: what the stall is spent in).
+first call (torch.profiler around every first call: what the stall is spent in). Kernels the
+driver JIT-compiles on first use stall only where its cache does not hold them yet: run with
+`CUDA_CACHE_PATH=$(mktemp -d)` to see a fresh machine's (`make gpu-check`'s first-use step does).
 Writes bench/results/first_use-*.json.
 """
 

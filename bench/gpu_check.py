@@ -16,7 +16,8 @@ a step's status: passed, failed, timeout, skipped when not asked for, not run an
   eagle-tests   pytest -m gpu: the hidden-state head's features under graph replays, and its
                 requests through both nodes against K = 0
   first-use     bench/first_use.py --profile: which prompt lengths stall a fresh prefill engine
-                on first use, and the operators the stalls spend their time in
+                on first use (an empty driver JIT cache, as on a fresh machine), and the
+                operators the stalls spend their time in
   speedup       bench/speedup.py, short: K = 0 against the serving default (prompt lookup,
                 K = 4) on SmolLM2-135M-Instruct, T = 0, batch 1 and 16, 2 prompts a class, 64
                 tokens; with --baseline-tree, that tree too, the trees alternating for --rounds
@@ -239,9 +240,13 @@ def acceptance_step(args: argparse.Namespace, scratch: Path) -> tuple[list[Run],
 
 
 def first_use_step(args: argparse.Namespace, scratch: Path) -> tuple[list[Run], Callable]:
+    """bench/first_use.py with an empty driver JIT cache, as on a fresh machine: a kernel the
+    driver compiles on first use stalls there, and on a machine that ran the step before it
+    would not show."""
     rows = scratch / "first_use.json"
     sizes = ["--smoke"] if args.smoke else ["--profile"]
     command = [sys.executable, str(BENCH / "first_use.py"), "--device", args.device, *sizes, "--json", str(rows)]
+    cache = tempfile.mkdtemp(prefix="jit-cache-", dir=scratch)
 
     def figures(done: list[dict]) -> dict:
         if not rows.is_file():
@@ -250,7 +255,7 @@ def first_use_step(args: argparse.Namespace, scratch: Path) -> tuple[list[Run], 
         stalls = [r for r in found["rows"] if r["stall"]]
         return {"startup_s": found["startup_s"], "lengths": len(found["rows"]), "stalls": stalls}
 
-    return [Run(command)], figures
+    return [Run(command, env={"CUDA_CACHE_PATH": cache})], figures
 
 
 def e2e_step(args: argparse.Namespace, scratch: Path) -> tuple[list[Run], Callable]:

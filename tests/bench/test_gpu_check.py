@@ -87,3 +87,16 @@ def test_speedup_runs_both_trees_and_compares_them(check):
     for row in comparison:
         assert row["temperature"] == 0 and row["same_steps"] is True  # one tree twice: the same greedy steps
         assert set(row["speedup_vs_k0"]) == {"this", "baseline"} and row["speedup_ratio"] > 0
+
+
+def test_the_first_use_step_runs_with_an_empty_driver_jit_cache(tmp_path):
+    """A kernel the driver JIT-compiles on first use stalls only where its cache is empty: the
+    step gives its process an empty cache of its own, as a fresh machine has."""
+    import argparse
+
+    from bench import gpu_check
+
+    (job,), _ = gpu_check.first_use_step(argparse.Namespace(device="cuda", smoke=False), tmp_path)
+    cache = Path(job.env["CUDA_CACHE_PATH"])
+    assert cache.is_dir() and not any(cache.iterdir()) and cache.parent == tmp_path
+    assert "first_use.py" in job.command[1] and "--profile" in job.command
