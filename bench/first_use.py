@@ -19,6 +19,7 @@ Writes bench/results/first_use-*.json.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -122,7 +123,8 @@ def main() -> None:
     text = f"start-up {startup:.1f} s; {len(stalls)} of {len(rows)} lengths stall\n{table}"
     env = environment()
     env.update(device=device, shape=args.target_model or args.shape)
-    report("first_use", env, {"startup_s": startup, "rows": rows}, text, keep=not args.smoke, json_path=args.json)
+    found = {"startup_s": startup, "rows": rows, "jit_cache": os.environ.get("CUDA_CACHE_PATH")}
+    report("first_use", env, found, text, keep=not args.smoke, json_path=args.json)
 
 
 if __name__ == "__main__":

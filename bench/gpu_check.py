@@ -253,7 +253,12 @@ def first_use_step(args: argparse.Namespace, scratch: Path) -> tuple[list[Run], 
             return {}
         found = json.loads(rows.read_text())
         stalls = [r for r in found["rows"] if r["stall"]]
-        return {"startup_s": found["startup_s"], "lengths": len(found["rows"]), "stalls": stalls}
+        return {
+            "startup_s": found["startup_s"],
+            "lengths": len(found["rows"]),
+            "stalls": stalls,
+            "jit_cache": found["jit_cache"],  # the empty one it started with
+        }
 
     return [Run(command, env={"CUDA_CACHE_PATH": cache})], figures
 

@@ -92,11 +92,11 @@ def test_speedup_runs_both_trees_and_compares_them(check):
 def test_the_first_use_step_runs_with_an_empty_driver_jit_cache(tmp_path):
     """A kernel the driver JIT-compiles on first use stalls only where its cache is empty: the
     step gives its process an empty cache of its own, as a fresh machine has."""
-    import argparse
-
-    from bench import gpu_check
-
-    (job,), _ = gpu_check.first_use_step(argparse.Namespace(device="cuda", smoke=False), tmp_path)
-    cache = Path(job.env["CUDA_CACHE_PATH"])
-    assert cache.is_dir() and not any(cache.iterdir()) and cache.parent == tmp_path
-    assert "first_use.py" in job.command[1] and "--profile" in job.command
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--smoke", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_CACHE_PATH": str(tmp_path / "the-callers")}
+    done = subprocess.run([*command, "--only", "first-use"], capture_output=True, text=True, timeout=300, env=env)
+    (results,) = tmp_path.glob("gpu-check-cpu-*.json")
+    step = next(s for s in json.loads(results.read_text())["rows"]["steps"] if s["step"] == "first-use")
+    assert step["status"] == "passed" and done.returncode == 0, step.get("output_tail")
+    cache = Path(step["figures"]["jit_cache"])
+    assert cache.name.startswith("jit-cache-") and cache != tmp_path / "the-callers"
