@@ -5,7 +5,8 @@
 whose dispatch was most of what a sampled decode step cost over a greedy one on the host; here
 each is one launch on torch's current stream, reading and writing torch's memory through raw
 pointers (as sampling/cupy_sampler.py does), allocating only the outputs and never waiting
-for the device. Shapes, dtypes and devices are the callers' (checked there).
+for the device. A small stream batch's rows travel in the launch's parameters: no host ->
+device copy at all. Shapes, dtypes and devices are the callers' (checked there).
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.transfer import to_device
 from sampling.cupy_launch import cupy_stream, current
 
 SOURCE = Path(__file__).with_name("draw_kernel.cu")
 THREADS = 256  # CD_THREADS in the .cu file
 MAX_GRID = 65535  # rows past it are grid-strided inside the kernel
 _PARAMS = struct.Struct("<QQQQqqq")  # CdParams: 7 fields of 8 bytes
-_SM_PARAMS = struct.Struct("<QQqqq")  # SmParams: 5 fields of 8 bytes
+INLINE_ROWS = 64  # SM_INLINE in the .cu file
+_SM_HEADER = struct.Struct("<QQqqq")  # SmParams' 5 fields of 8 bytes before its inline rows
+_SM_SIZE = _SM_HEADER.size + 16 * INLINE_ROWS  # and INLINE_ROWS (state, count) int64 pairs
 
 
 @functools.cache
@@ -59,18 +63,26 @@ def categorical_sample_cupy(weights: torch.Tensor, uniforms: torch.Tensor) -> tu
     return index, has_mass
 
 
-def splitmix64_cupy(rows_in: torch.Tensor, n: int, stream: bool) -> torch.Tensor:
-    """[B, n] float32 on rows_in's GPU. rows_in int64: [B, 1 + n] (key, then the n counters:
-    `splitmix64_uniforms(key, counters)`) or, with `stream`, [B, 2] (the state before the row's
-    next value, its count: the count's next values, then zeros)."""
-    rows_in = rows_in.contiguous()
+def splitmix64_cupy(rows_in: torch.Tensor, n: int, stream: bool, device: torch.device) -> torch.Tensor:
+    """[B, n] float32 on `device` (a GPU). rows_in int64, on the host or on `device`: [B, 1 + n]
+    (key, then the n counters: `splitmix64_uniforms(key, counters)`) or, with `stream`, [B, 2]
+    (the state before the row's next value, its count: the count's next values, then zeros).
+    Host stream rows of a batch of at most INLINE_ROWS are the launch's parameters; other host
+    rows are copied to the device first."""
     batch = rows_in.shape[0]
-    out = torch.empty(batch, n, dtype=torch.float32, device=rows_in.device)
+    out = torch.empty(batch, n, dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out
-    kernels, cupy_stream = _launch(rows_in.device)
+    if stream and rows_in.device.type == "cpu" and batch <= INLINE_ROWS:
+        header = _SM_HEADER.pack(0, out.data_ptr(), batch, n, 1)
+        rows = rows_in.contiguous().numpy().tobytes()  # 16 bytes a row
+        params = header + rows + bytes(_SM_SIZE - len(header) - len(rows))
+    else:
+        rows_in = to_device(rows_in.contiguous(), device)
+        params = _SM_HEADER.pack(rows_in.data_ptr(), out.data_ptr(), batch, n, stream)
+        params += bytes(_SM_SIZE - len(params))
+    kernels, cupy_stream = _launch(out.device)
     blocks = min(-(-out.numel() // THREADS), MAX_GRID)
-    params = _SM_PARAMS.pack(rows_in.data_ptr(), out.data_ptr(), batch, n, stream)
     kernels["splitmix64_uniforms"]((blocks,), (THREADS,), (_by_value(params),), stream=cupy_stream)
     return out
 

@@ -140,18 +140,26 @@ extern "C" __global__ void __launch_bounds__(CD_THREADS) categorical_sample(cons
 // its n counters; output j is number counters[j] + 1 from the key) or [B, 2] (stream: the state
 // before the row's next value and its count; output j < count is number j + 1 from that state,
 // the rest 0). out is [B, n] float32: the top 24 bits of the mixed state over 2**24.
+// A stream batch of at most SM_INLINE rows travels in the launch's parameters (`rows_in` null):
+// a step's few int64 then need no host -> device copy, whose pinned staging and queued copy cost
+// more host time than the kernel.
 #define SM_GAMMA 0x9E3779B97F4A7C15ULL
+#define SM_INLINE 64
 
 struct SmParams {
-    const long long* rows_in;  // [B, 1 + n] or [B, 2] int64
+    const long long* rows_in;  // [B, 1 + n] or [B, 2] int64 in device memory; null: `inline_rows`
     float* out;                // [B, n] float32
     long long rows;
     long long n;
     long long stream;          // 1: rows_in is [B, 2] (state, count)
+    long long inline_rows[2 * SM_INLINE];  // [B, 2] stream rows (state, count) when rows_in is null
 };
 
+__device__ long long sm_row_value(const SmParams& params, long long i) {
+    return params.rows_in != nullptr ? params.rows_in[i] : params.inline_rows[i];
+}
+
 extern "C" __global__ void splitmix64_uniforms(const SmParams params) {
-    const long long* rows_in = params.rows_in;
     float* out = params.out;
     const long long n = params.n;
     const long long total = params.rows * n;
@@ -161,14 +169,15 @@ extern "C" __global__ void splitmix64_uniforms(const SmParams params) {
         const long long j = i - b * n;
         unsigned long long z;
         if (params.stream) {
-            const long long count = rows_in[2 * b + 1];
+            const long long count = sm_row_value(params, 2 * b + 1);
             if (j >= count) {
                 out[i] = 0.0f;
                 continue;
             }
-            z = static_cast<unsigned long long>(rows_in[2 * b]) + static_cast<unsigned long long>(j) * SM_GAMMA;
+            z = static_cast<unsigned long long>(sm_row_value(params, 2 * b)) +
+                static_cast<unsigned long long>(j) * SM_GAMMA;
         } else {
-            const long long* row = rows_in + b * (1 + n);
+            const long long* row = params.rows_in + b * (1 + n);
             z = static_cast<unsigned long long>(row[0]) + (static_cast<unsigned long long>(row[1 + j]) + 1ULL) * SM_GAMMA;
         }
         z ^= z >> 30;

@@ -5,8 +5,9 @@ counter under a 64-bit key derived from the seed: output number c + 1 of the gen
 started at the key, its top 24 bits over 2**24 (a float32 in [0, 1), exactly). Being a pure
 function of (key, counter), a whole batch's uniforms are one vectorised computation on the
 batch's device (`splitmix64_uniforms` in torch; one kernel on a GPU with CuPy,
-sampling/draw_kernel.cu, whose values are the same bits): a step copies each row's key and counter to the
-device (a few int64 per row), never its uniforms, and draws nothing on the host. The values
+sampling/draw_kernel.cu, whose values are the same bits): a step sends each row's key and counter to the
+device (a few int64 per row, in the kernel's parameters where they fit), never its uniforms, and
+draws nothing on the host. The values
 are bit for bit the same on any device (int64 arithmetic wraps mod 2**64 everywhere).
 
 A request has two keys per stream name:
@@ -83,26 +84,41 @@ def _output(z: torch.Tensor) -> torch.Tensor:
 
 
 def stream_uniforms(
-    rngs: Sequence[RequestRng], counts: Sequence[int], device: torch.device | str = "cpu", width: int | None = None
+    rngs: Sequence[RequestRng],
+    counts: Sequence[int],
+    device: torch.device | str = "cpu",
+    width: int | None = None,
+    at: Sequence[int | None] | None = None,
 ) -> torch.Tensor:
     """[B, width] float32 on `device` (width: max(counts) unless given): row b is the next
     counts[b] uniforms of rngs[b]'s stream, then zeros; each stream moves by its count (a
-    request listed twice draws twice, in row order). One host -> device copy of 2B int64."""
+    request listed twice draws twice, in row order). With `at`, a row whose at[b] is a position
+    reads instead the uniforms of positions at[b] .. at[b] + counts[b] - 1 (`RequestRng.at`), and
+    its stream does not move. Two int64 a row reach the device: on a GPU, in the kernel launch's
+    parameters for a batch of up to 64 rows, else one copy."""
     width = max(counts, default=0) if width is None else width
     if len(counts) != len(rngs) or any(not 0 <= count <= width for count in counts):
         raise ValueError(f"counts: expected {len(rngs)} values in [0, {width}], got {list(counts)}")
+    if at is not None and len(at) != len(rngs):
+        raise ValueError(f"at: expected {len(rngs)} positions or None, got {len(at)}")
     if not any(counts):
         return torch.zeros(len(rngs), width, dtype=torch.float32, device=device)  # no draw, no copy
     rows = array.array("Q")  # unsigned 64-bit, read as int64 with the same bits
-    for rng, count in zip(rngs, counts, strict=True):
-        # The state before the stream's next value: what splitmix64_uniforms adds up on the
-        # device, added here in python integers, so that a step adds one cached tensor to it.
-        rows.append((rng.key + (rng.drawn + 1) * _GAMMA) & _MASK)
+    for b, (rng, count) in enumerate(zip(rngs, counts, strict=True)):
+        # The state before the row's first value: what splitmix64_uniforms adds up on the device,
+        # added here in python integers, so that a step adds one cached tensor to it. A run of
+        # positions is the position key's values from that state on.
+        start = None if at is None else at[b]
+        if start is None:
+            rows.append((rng.key + (rng.drawn + 1) * _GAMMA) & _MASK)
+            rng.drawn += count
+        else:
+            rows.append((rng.position_key + (start + 1) * _GAMMA) & _MASK)
         rows.append(count)
-        rng.drawn += count
-    sent = to_device(_int64(rows).view(-1, 2), device)  # [B, 2]: state, count
-    if _on_kernel(sent):
-        return splitmix64_cupy(sent, width, stream=True)
+    sent = _int64(rows).view(-1, 2)  # [B, 2]: state, count
+    if _on_kernel(device):
+        return splitmix64_cupy(sent, width, True, indexed(device))
+    sent = to_device(sent, device)
     column, steps = _columns(width, indexed(device))
     values = _output(sent[:, :1] + steps)
     if all(count == width for count in counts):
@@ -135,16 +151,17 @@ def position_uniforms(
     if not rngs:
         return torch.empty(positions.shape, dtype=torch.float32, device=device)
     keys = _int64(array.array("Q", [rng.position_key for rng in rngs]))[:, None]
-    both = to_device(torch.cat([keys, positions.to(torch.int64)], dim=1), device)  # [B, 1 + n]
-    if _on_kernel(both):
-        return splitmix64_cupy(both, positions.shape[1], stream=False)
+    both = torch.cat([keys, positions.to(torch.int64)], dim=1)  # [B, 1 + n]: one copy with the keys
+    if _on_kernel(device):
+        return splitmix64_cupy(both, positions.shape[1], False, indexed(device))
+    both = to_device(both, device)
     return splitmix64_uniforms(both[:, 0], both[:, 1:])
 
 
-def _on_kernel(rows_in: torch.Tensor) -> bool:
+def _on_kernel(device: torch.device | str) -> bool:
     """Whether a step's uniforms are one CuPy kernel (sampling/draw_kernel.cu), bit for bit the
     torch ops' values: on a GPU, where those ops' dispatch is most of their cost."""
-    return rows_in.is_cuda and cupy_available()
+    return torch.device(device).type == "cuda" and cupy_available()
 
 
 def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:

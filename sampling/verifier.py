@@ -37,7 +37,7 @@ from sampling.batch import VerifyBatch
 from sampling.filtering import restrict
 from sampling.params import SamplingParams, SamplingTensors
 from sampling.rejection import Backend, RejectionSampler
-from sampling.rng import RequestRng, batch_uniforms, position_uniforms, stream_uniforms
+from sampling.rng import RequestRng, position_uniforms, stream_uniforms
 from sampling.target_sampler import sample_target
 from sampling.tree import TreeResult, tree_rejection_sample
 
@@ -152,16 +152,13 @@ class Verifier:
     ) -> VerifyResult:
         rows, k = batch.rows, batch.nodes
         tensors = SamplingTensors.from_params(params, self.device)
-        sampled = [not p.is_greedy and not c for p, c in zip(params, coupled, strict=True)]
-        uniforms = batch_uniforms(rngs, 2 * (k + 1), self.device, sampled)
-        if any(coupled):  # [B, 2(K+1)]: greedy rows 0, coupled rows their positions' then 0
-            at = [b for b, c in enumerate(coupled) if c]
-            positions = torch.tensor([batch.positions[b] for b in at])[:, None] + torch.arange(k + 1)
-            drawn = position_uniforms([rngs[b] for b in at], positions, self.device)
-            if len(at) == rows:
-                uniforms[:, : k + 1] = drawn
-            else:
-                uniforms[shared_tensor(at, torch.int64, self.device), : k + 1] = drawn
+        # [B, 2(K+1)]: a sampled row its stream's next 2(K+1); a coupled row the uniforms of its
+        # K+1 positions, then 0; a greedy row 0 (argmaxes read none).
+        counts = [k + 1 if c else 0 if p.is_greedy else 2 * (k + 1) for p, c in zip(params, coupled, strict=True)]
+        at = None
+        if any(coupled):
+            at = [position if c else None for position, c in zip(batch.positions, coupled, strict=True)]
+        uniforms = stream_uniforms(rngs, counts, self.device, 2 * (k + 1), at)
         target = sample_target(target_logits, tensors, uniforms[:, : k + 1])
         output, emitted = self.sampler(
             _on_device(batch.draft_token_ids, self.device),

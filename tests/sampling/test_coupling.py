@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sampling.verifier as verifier_module
-from sampling import RequestRng, SamplingParams, Verifier, VerifyBatch, position_uniforms
+from sampling import RequestRng, SamplingParams, Verifier, VerifyBatch, stream_uniforms
 from tests.sampling.helpers import ALPHA, chi_square_pvalue
 from tests.sampling.stat_cases import P, Q
 
@@ -61,10 +61,14 @@ def test_coupled_point_masses_keep_the_law_and_the_acceptance(tree):
 
 
 def test_one_uniform_for_every_position_is_caught(monkeypatch):
-    def first_position_only(rngs, positions, device):
-        return position_uniforms(rngs, positions[:, :1].expand_as(positions), device)
+    def first_position_only(rngs, counts, device, width, at=None):
+        out = stream_uniforms(rngs, counts, device, width, at)
+        for b, start in enumerate(at or []):
+            if start is not None:
+                out[b, : counts[b]] = out[b, 0].item()
+        return out
 
-    monkeypatch.setattr(verifier_module, "position_uniforms", first_position_only)
+    monkeypatch.setattr(verifier_module, "stream_uniforms", first_position_only)
     found = failures()
     assert any("do not follow q" in f for f in found), found
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import sampling.cupy_draw as cupy_draw
 import sampling.rng as rng_module
 from sampling import RequestRng, SamplingParams, SamplingTensors, position_uniforms, sample_target, stream_uniforms
 from sampling.categorical import draw, inverse_cdf_sample
-from sampling.cupy_draw import categorical_sample_cupy, splitmix64_cupy
+from sampling.cupy_draw import INLINE_ROWS, categorical_sample_cupy, splitmix64_cupy
 from sampling.rng import _signed
 
 pytestmark = pytest.mark.gpu
@@ -104,19 +105,35 @@ def test_splitmix64_kernel_is_the_torch_values_bit_for_bit():
     positions = torch.randint(0, (1 << 63) - 1, (300, 17), generator=gen, dtype=torch.int64)
     positions[:, :4] = torch.tensor([0, 1, (1 << 63) - 2, (1 << 63) - 1])
     expected = rng_module.splitmix64_uniforms(keys, positions)  # the torch ops, on the CPU
-    got = splitmix64_cupy(torch.cat([keys[:, None], positions], 1).cuda(), 17, stream=False)
+    got = splitmix64_cupy(torch.cat([keys[:, None], positions], 1).cuda(), 17, False, torch.device("cuda", 0))
     assert torch.equal(got.cpu(), expected)
     states = torch.tensor([_signed(k) for k in (0, 1, (1 << 64) - 1, 0x9E3779B97F4A7C15)], dtype=torch.int64)
     counts = torch.tensor([0, 5, 9, 3])
-    got = splitmix64_cupy(torch.stack([states, counts], 1).cuda(), 9, stream=True).cpu()
     steps = torch.arange(9) * _signed(0x9E3779B97F4A7C15)
     values = rng_module._output(states[:, None] + steps)
-    assert torch.equal(got, torch.where(torch.arange(9) < counts[:, None], values, 0.0))
+    expected = torch.where(torch.arange(9) < counts[:, None], values, 0.0)
+    rows = torch.stack([states, counts], 1)
+    for rows_in in (rows, rows.cuda()):  # in the launch's parameters; in device memory
+        assert torch.equal(splitmix64_cupy(rows_in, 9, True, torch.device("cuda", 0)).cpu(), expected)
+
+
+@pytest.mark.parametrize("batch", [1, INLINE_ROWS, INLINE_ROWS + 1, 300])
+def test_stream_and_position_runs_are_the_cpus_at_every_batch(batch):
+    """Up to INLINE_ROWS rows travel in the kernel's parameters, more through a copy: the values
+    are the CPU's either way, and each stream moves as it does there."""
+    counts = [(3 * b) % 11 for b in range(batch)]
+    at = [None if b % 3 else 40 + b for b in range(batch)]
+    on_cpu = [RequestRng(seed, stream="decode") for seed in range(batch)]
+    on_gpu = [RequestRng(seed, stream="decode") for seed in range(batch)]
+    for _ in range(2):
+        expected = stream_uniforms(on_cpu, counts, "cpu", 12, at)
+        assert torch.equal(stream_uniforms(on_gpu, counts, "cuda", 12, at).cpu(), expected)
+    assert [r.drawn for r in on_gpu] == [r.drawn for r in on_cpu]
 
 
 def test_a_steps_uniforms_come_from_the_kernel(monkeypatch):
     """With the torch ops made to fail, the GPU's stream and position uniforms are still the
-    CPU's (computed before) bit for bit."""
+    CPU's (computed before) bit for bit; a small stream batch reaches the kernel without a copy."""
     rngs = [RequestRng(seed, stream="decode") for seed in range(6)]
     where = torch.arange(6)[:, None] * 100 + torch.arange(5)
     expected_positions = position_uniforms(rngs, where)
@@ -128,4 +145,5 @@ def test_a_steps_uniforms_come_from_the_kernel(monkeypatch):
     monkeypatch.setattr(rng_module, "_output", refuse)
     monkeypatch.setattr(rng_module, "splitmix64_uniforms", refuse)
     assert torch.equal(position_uniforms(rngs, where, "cuda").cpu(), expected_positions)
+    monkeypatch.setattr(cupy_draw, "to_device", refuse)  # a small stream batch copies nothing
     assert torch.equal(stream_uniforms(rngs, [4, 0, 4, 2, 4, 1], "cuda").cpu(), expected_stream)

@@ -62,16 +62,21 @@ def test_compiles_with_hipcc(source, tmp_path):
     ],
 )
 def test_launch_struct_matches_the_kernel_source(source, struct_name, module):
-    """The Python packing of the params struct has one 8-byte field per field of the C struct."""
+    """The Python packing of the params struct has one 8-byte field per field of the C struct;
+    SmParams ends in an inline array of 2 * SM_INLINE int64, packed after its other fields."""
     import importlib
     import re
 
     module = importlib.import_module(module)
-    params = module._SM_PARAMS if struct_name == "SmParams" else module._PARAMS
+    params = module._SM_HEADER if struct_name == "SmParams" else module._PARAMS
     text = (Path(__file__).resolve().parents[2] / "sampling" / source).read_text()
     body = re.search(rf"struct {struct_name} \{{(.*?)\}};", text, re.S).group(1)
     fields = [line.split("//")[0].strip() for line in body.splitlines()]
     fields = [f for f in fields if f.endswith(";")]
+    if struct_name == "SmParams":
+        assert fields.pop() == "long long inline_rows[2 * SM_INLINE];"
+        assert int(re.search(r"#define SM_INLINE (\d+)", text).group(1)) == module.INLINE_ROWS
+        assert params.size + 16 * module.INLINE_ROWS == module._SM_SIZE
     assert params.size == 8 * len(fields)
     assert list(params.format.lstrip("<")) == ["Q" if "*" in f else "q" for f in fields]
 

@@ -104,6 +104,18 @@ def test_only_drawing_rows_move_their_counters():
     assert batch_uniforms([], 3).shape == (0, 3)
 
 
+def test_a_row_given_a_position_reads_that_run_of_positions_and_leaves_its_stream():
+    rngs = [RequestRng(seed, stream="decode") for seed in range(4)]
+    got = stream_uniforms(rngs, [3, 5, 0, 2], "cpu", 6, [None, 17, 4, 0])
+    assert [r.drawn for r in rngs] == [3, 0, 0, 0]
+    assert got[0].tolist() == [*stream(RequestRng(0, stream="decode"), 0, 3), 0.0, 0.0, 0.0]
+    assert got[1].tolist() == [*rngs[1].at(17, 5), 0.0] and got[2].tolist() == [0.0] * 6
+    assert got[3].tolist() == [*rngs[3].at(0, 2), 0.0, 0.0, 0.0, 0.0]
+    assert got[1, 0].item() != stream(RequestRng(1, stream="decode"), 0, 1)[0]
+    with pytest.raises(ValueError, match="at: expected 4 positions"):
+        stream_uniforms(rngs, [1, 1, 1, 1], "cpu", 2, [None])
+
+
 def test_tree_rows_read_their_uniforms_where_the_per_row_rule_puts_them(monkeypatch):
     """A sampled row b takes its stream's next 2(N_b+1): the first N_b+1 for the target sampler
     (columns 0..N_b), the next N_b+1 for the rejection test (columns N+1..N+1+N_b); a greedy
