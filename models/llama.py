@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.transfer import device_tensor
 from models.base import (
     ChunkedImport,
     GrowingKv,
@@ -500,18 +501,31 @@ class ContiguousKv:
                 tensors[i] = grown
 
 
+# Rows of at most this many new tokens (drafting steps, a head's catch-up) attend in one batched
+# SDPA on a GPU; a prompt's rows keep their own, whose padding to the longest would cost more.
+BATCHED_MAX_NEW = 16
+
+
 @dataclass
 class ContiguousBatch:
     """A `KvStore` for one ragged forward over contiguous caches: row r owns new tokens
     [offsets[r], offsets[r+1]) of the flattened batch and appends them at caches[r].length.
     Attention is a per-row SDPA with a causal (and optional sliding-window) mask, or the
     row's tree mask (`tree_masks[r]`, models/base.TreeSpan); `commit()` advances the
-    lengths once every layer has written."""
+    lengths once every layer has written.
+
+    `batched` (default: on a GPU, for several rows of at most BATCHED_MAX_NEW new tokens each,
+    no tree or window mask) runs one SDPA for the whole batch instead: the rows' caches as
+    [M, Hkv, W, D] views of one width W (each grown to hold W), their new queries padded to the
+    longest row, each row masked to its own live keys, causally. A drafting step of M rows is
+    then a handful of launches, where the per-row loop's several launches a row (and SDPA's own
+    host work per call) made the host, not the GPU, the step's cost."""
 
     caches: Sequence[ContiguousKv]
     new_lengths: Sequence[int]
     sliding_window: int | None = None
     tree_masks: Sequence[torch.Tensor | None] | None = None
+    batched: bool | None = None
     _masks: list[torch.Tensor | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -520,11 +534,43 @@ class ContiguousBatch:
             self.offsets.append(self.offsets[-1] + n)
         for cache, n in zip(self.caches, self.new_lengths, strict=True):
             cache.reserve(cache.length + n)
+        if self.batched is None:
+            self.batched = (
+                len(self.caches) > 1
+                and self.caches[0].keys[0].device.type == "cuda"
+                and self.sliding_window is None
+                and not any(m is not None for m in self.tree_masks or ())
+                and min(self.new_lengths) >= 1
+                and max(self.new_lengths) <= BATCHED_MAX_NEW
+            )
+        if self.batched:
+            self._plan_batched()
+            return
         trees = self.tree_masks or [None] * len(self.caches)
         self._masks = [
             tree if tree is not None else self._mask(cache.length, n, cache.keys[0].device)
             for cache, n, tree in zip(self.caches, self.new_lengths, trees, strict=True)
         ]
+
+    def _plan_batched(self) -> None:
+        """What every layer's batched attention shares: the width, the mask, the query padding."""
+        lengths, news = [c.length for c in self.caches], list(self.new_lengths)
+        rows, self._longest = len(news), max(news)
+        self._width = max(length + n for length, n in zip(lengths, news, strict=True))
+        for cache in self.caches:
+            cache.reserve(self._width)  # every row's view spans W slots; past its live ones: masked
+        device = self.caches[0].keys[0].device
+        # Padded query slot i of row r is flat query offsets[r] + min(i, n_r - 1) (a repeat,
+        # discarded after); valid slot i < n_r is query offsets[r] + i.
+        pad, valid = [], []
+        for r, n in enumerate(news):
+            pad += [self.offsets[r] + min(i, n - 1) for i in range(self._longest)]
+            valid += [r * self._longest + i for i in range(n)]
+        sent = device_tensor([*lengths, *pad, *valid], torch.int64, device)  # one copy
+        past, self._pad, self._valid = sent[:rows], sent[rows : rows + len(pad)], sent[rows + len(pad) :]
+        query = past[:, None, None] + torch.arange(self._longest, device=device)[None, :, None]  # [M, n, 1]
+        key = torch.arange(self._width, device=device)[None, None, :]  # [1, 1, W]
+        self._batch_mask = (key <= query)[:, None]  # [M, 1, n, W]: causal within the row's own slots
 
     def _mask(self, past: int, n: int, device) -> torch.Tensor | None:
         """[n, past + n] bool (True = may attend), or None where SDPA's own masking is exact:
@@ -542,6 +588,8 @@ class ContiguousBatch:
 
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         k, v = kv  # [N, Hkv, D] each
+        if self.batched:
+            return self._attend_batched(layer, q, k, v)
         out = torch.empty_like(q)  # [N, Hq, D]
         for row, cache in enumerate(self.caches):
             start, end = self.offsets[row], self.offsets[row + 1]
@@ -561,6 +609,21 @@ class ContiguousBatch:
             )  # [Hq, n, D]
             out[start:end] = attended.transpose(0, 1)
         return out
+
+    def _attend_batched(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        targets, sources = [], []
+        for row, cache in enumerate(self.caches):
+            start, end = self.offsets[row], self.offsets[row + 1]
+            live = cache.length + (end - start)
+            targets += [cache.keys[layer][:, cache.length : live], cache.values[layer][:, cache.length : live]]
+            sources += [k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)]  # [Hkv, n, D]
+        torch._foreach_copy_(targets, sources)
+        keys = torch.stack([cache.keys[layer][:, : self._width] for cache in self.caches])  # [M, Hkv, W, D]
+        values = torch.stack([cache.values[layer][:, : self._width] for cache in self.caches])
+        rows, heads, dim = len(self.caches), q.shape[1], q.shape[2]
+        padded = q[self._pad].view(rows, self._longest, heads, dim).transpose(1, 2)  # [M, Hq, n, D]
+        attended = F.scaled_dot_product_attention(padded, keys, values, attn_mask=self._batch_mask, enable_gqa=True)
+        return attended.transpose(1, 2).reshape(rows * self._longest, heads, dim)[self._valid]  # [N, Hq, D]
 
     def commit(self) -> None:
         for cache, n in zip(self.caches, self.new_lengths, strict=True):

@@ -22,7 +22,7 @@ from models.llama import LlamaConfig, layer_skip_draft  # noqa: E402
 from models.loader import load_pair, resolve_dtype  # noqa: E402
 from tests.models.hf_fixtures import FAMILY_CASES as CASES  # noqa: E402
 from tests.models.hf_fixtures import make_family_checkpoint  # noqa: E402
-from tests.tolerance import assert_fp_close, model_roundings  # noqa: E402
+from tests.tolerance import assert_fp_close, model_roundings, roundings  # noqa: E402
 
 SEQ_LEN = 64
 
@@ -412,3 +412,43 @@ def test_cpu_linear_is_the_linear_map(rows, bias):
             x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double()
         ).float(),
     )
+
+
+@pytest.mark.parametrize("news", [[1, 1, 1], [3, 1, 5], [1, 16, 2, 7]], ids=["one-each", "ragged", "widest"])
+def test_batched_contiguous_attention_is_the_per_row_attention(news):
+    """One padded SDPA over rows of different pasts and new lengths (what a GPU runs for drafting
+    steps) equals each row's own SDPA, writes the same keys and values, and masks what lies past a
+    row's live slots (stale values there change nothing)."""
+    from models.llama import ContiguousBatch, ContiguousKv
+
+    gen = torch.Generator().manual_seed(len(news) * 7 + sum(news))
+    heads, kv_heads, dim = 6, 2, 16
+    pasts = [5, 0, 23, 9][: len(news)]
+
+    def caches() -> list[ContiguousKv]:
+        out = []
+        for past in pasts:
+            cache = ContiguousKv.empty(1, kv_heads, dim, 8, torch.float32, "cpu")
+            cache.reserve(past)
+            cache.keys[0].normal_(generator=torch.Generator().manual_seed(past))
+            cache.values[0].normal_(generator=torch.Generator().manual_seed(past + 1))
+            cache.length = past
+            out.append(cache)
+        return out
+
+    q = torch.randn(sum(news), heads, dim, generator=gen)
+    kv = torch.randn(2, sum(news), kv_heads, dim, generator=gen)
+    results = {}
+    for batched in (False, True):
+        rows = caches()
+        batch = ContiguousBatch(rows, news, batched=batched)
+        for cache in rows:  # stale slots past the live ones (the batched views span them): masked
+            cache.keys[0][:, cache.length :] = 1e4
+            cache.values[0][:, cache.length :] = 1e4
+        out = batch.attend(0, q, kv)
+        batch.commit()
+        results[batched] = (out, [(c.keys[0][:, : c.length], c.values[0][:, : c.length]) for c in rows])
+    (rowwise, written), (padded, written_batched) = results[False], results[True]
+    assert_fp_close(padded, rowwise, roundings(1, max(pasts) + max(news)))
+    for (k, v), (kb, vb) in zip(written, written_batched, strict=True):
+        assert torch.equal(k, kb) and torch.equal(v, vb)
