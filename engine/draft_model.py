@@ -271,4 +271,4 @@ class DraftModelProposer:
             uniforms,
             [row.grammar for row in rows],
         )
-        return [self.d2t.proposal(d.target_ids, d.parents, d.probs, source=DRAFT, drafted=d) for d in drafted]
+        return self.d2t.proposals(drafted)

@@ -111,7 +111,7 @@ class EagleProposer:
         committed = [len(state.tokens) for state in states]
         logits = torch.stack([state.last[0] for state in states]).to(device)  # [M, Vd]
         hidden = torch.stack([state.last[1] for state in states])  # [M, H]
-        laws: list[list[torch.Tensor]] = [[] for _ in rows]
+        laws: list[torch.Tensor] = []  # per depth: the law of each of its rows' draws [M, Vd]
         actives, drawn, mapped = [], [], []  # per depth: its rows, their draft and target ids [M]
         active = list(range(len(rows)))
         while active:
@@ -121,8 +121,7 @@ class EagleProposer:
             drawn.append(sample.token_ids[:, 0])
             mapped.append(self.d2t.map_tokens(drawn[-1]))
             if sample.probs is not None:
-                for m, r in enumerate(active):
-                    laws[r].append(sample.probs[m, 0])
+                laws.append(sample.probs[:, 0])
             going = [m for m, r in enumerate(active) if depths[r] > depth + 1]
             if going:  # the drawn token and the head's own output feed the next depth
                 keep = slice(None) if len(going) == len(active) else device_tensor(going, torch.int64, device)
@@ -134,18 +133,20 @@ class EagleProposer:
             self.draft.truncate(state, length)  # drafted positions: rewritten from the target's features
         ids = torch.cat([*drawn, *mapped]).tolist()  # the one host read of the chain
         half = len(ids) // 2
-        draft_ids: list[list[int]] = [[] for _ in rows]
-        target_ids: list[list[int]] = [[] for _ in rows]
-        at = 0
+        # Node (depth d, m-th active row) is entry starts[d] + m of the depth-major draws; row r's
+        # chain reads its entries in depth order.
+        at, starts = 0, []
         for active in actives:
-            for r in active:
-                draft_ids[r].append(ids[at])
-                target_ids[r].append(ids[half + at])
-                at += 1
-        out = []
-        for r in range(len(rows)):
-            parents = list(range(-1, depths[r] - 1))
-            probs = torch.stack(laws[r]) if laws[r] else None  # [K, Vd]
-            drafted = Drafted(draft_ids[r], target_ids[r], parents, probs)
-            out.append(self.d2t.proposal(target_ids[r], parents, probs, source=DRAFT, drafted=drafted))
-        return out
+            starts.append(at)
+            at += len(active)
+        place = [{r: starts[d] + m for m, r in enumerate(active)} for d, active in enumerate(actives)]
+        order = [[place[d][r] for d in range(depths[r])] for r in range(len(rows))]
+        row_laws: list[torch.Tensor | None] = [None] * len(rows)
+        if laws:  # one gather into row order, then each row's [K_r, Vd] is a view
+            flat = [i for row in order for i in row]
+            row_laws = list(torch.cat(laws)[device_tensor(flat, torch.int64, device)].split(list(depths)))
+        chains = [
+            Drafted([ids[i] for i in row], [ids[half + i] for i in row], list(range(-1, len(row) - 1)), law)
+            for row, law in zip(order, row_laws, strict=True)
+        ]
+        return self.d2t.proposals(chains)

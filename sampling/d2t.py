@@ -7,8 +7,8 @@ adds never collide. The sum order is therefore fixed (deterministic on every dev
 no atomics) and an injective map is a single gather-free copy.
 
 `DraftToTargetMap.proposal` is the one place a draft model's draw becomes a target-space
-`Proposal` (sampling/proposal.py): the proposer's own drafts and the ones a decode node
-receives from the wire both pass through it.
+`Proposal` (sampling/proposal.py): the ones a decode node receives from the wire pass through
+it, and the proposers' own drafts through `proposals`, the same for a step's rows at once.
 """
 
 from __future__ import annotations
@@ -106,6 +106,19 @@ class DraftToTargetMap:
         else:
             target_probs = None if probs is None else self.map_probs(probs)
         return Proposal(list(token_ids), list(parents), target_probs, source, drafted)
+
+    def proposals(self, drafted: Sequence[Drafted], source: str = DRAFT) -> list[Proposal]:
+        """`proposal` of each row's draw (`Drafted`: target ids, parents, its dense draft-space
+        law or None), the dense laws of all rows mapped by one `map_probs` over their
+        concatenation: a drafting step's rows cost the mapping's few launches once, not per row."""
+        dense = [d for d in drafted if d.probs is not None]
+        mapped = iter(
+            self.map_probs(torch.cat([d.probs for d in dense])).split([len(d.probs) for d in dense]) if dense else ()
+        )
+        return [
+            Proposal(list(d.target_ids), list(d.parents), None if d.probs is None else next(mapped), source, d)
+            for d in drafted
+        ]
 
 
 def map_draft_probs_to_target(

@@ -117,3 +117,26 @@ def test_a_draw_becomes_a_target_space_proposal_whatever_its_law():
     assert point.probs is None and point.token_ids == ids and point.drafted is None
     with pytest.raises(ValueError, match="probs: expected the"):
         mapping.proposal(ids, parents, None, torch.tensor([[0], [1]]))
+
+
+def test_a_steps_rows_map_at_once_as_each_row_alone():
+    """`proposals` (one mapping for a step's rows) gives each row what `proposal` gives it alone:
+    ragged chains, a point mass among dense laws, a many-to-one map."""
+    from sampling import Drafted
+
+    mapping = DraftToTargetMap(torch.tensor([4, 0, 4, 2, 4, 0]), 7)
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for size, dense in ((3, True), (1, False), (2, True), (4, True)):
+        probs = torch.rand(size, 6, generator=gen).softmax(-1) if dense else None
+        ids = torch.randint(0, 6, (size,), generator=gen).tolist()
+        rows.append(Drafted(ids, mapping.map_tokens(torch.tensor(ids)).tolist(), list(range(-1, size - 1)), probs))
+    got = mapping.proposals(rows)
+    for proposal, drafted in zip(got, rows, strict=True):
+        alone = mapping.proposal(drafted.target_ids, drafted.parents, drafted.probs, drafted=drafted)
+        assert (proposal.token_ids, proposal.parents, proposal.source) == (alone.token_ids, alone.parents, "draft")
+        assert proposal.drafted is drafted
+        assert (proposal.probs is None) == (alone.probs is None)
+        if alone.probs is not None:
+            assert torch.equal(proposal.probs, alone.probs)
+    assert mapping.proposals([]) == []
