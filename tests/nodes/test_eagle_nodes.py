@@ -17,6 +17,7 @@ pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 from decode_node.engine import DecodeConfig
 from decode_node.server import DecodeNodeConfig
 from decode_node.server import run_server as run_decode
+from engine.adaptive import StepCosts
 from engine.eagle import EagleProposer
 from engine.spec_config import SpeculativeConfig
 from models.loader import load_pair
@@ -33,6 +34,9 @@ from tests.nodes.conftest import wait_until
 
 PROMPT = [3, 7, 11, 2, 5, 8, 13, 4, 20, 6, 3, 7, 11, 2, 15, 16, 10, 12, 19, 21]
 K = 3
+# hybrid prices its drafts (adaptive K): with costs given, not timed at start-up, what it drafts
+# does not depend on how loaded the machine running the tests is
+COSTS = StepCosts((1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8), depth=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +53,11 @@ def spec(method: str) -> SpeculativeConfig:
 @contextlib.contextmanager
 def decode_node(pair: ModelPair, method: str = "eagle"):
     config = DecodeNodeConfig(
-        host="127.0.0.1", port=0, metrics_port=None, engine=DecodeConfig(spec=spec(method)), accept_shm_kv=True
+        host="127.0.0.1",
+        port=0,
+        metrics_port=None,
+        engine=DecodeConfig(spec=spec(method), step_costs=COSTS),
+        accept_shm_kv=True,
     )
     with run_decode(config, lambda: pair) as node:
         yield node
