@@ -142,7 +142,9 @@ class EagleProposer:
         place = [{r: starts[d] + m for m, r in enumerate(active)} for d, active in enumerate(actives)]
         order = [[place[d][r] for d in range(depths[r])] for r in range(len(rows))]
         row_laws: list[torch.Tensor | None] = [None] * len(rows)
-        if laws:  # one gather into row order, then each row's [K_r, Vd] is a view
+        if laws and len(actives[-1]) == len(rows):  # every row at every depth: [R, K, Vd], no index
+            row_laws = list(torch.stack(laws, 1).unbind(0))
+        elif laws:  # ragged depths: one gather into row order, then each row's [K_r, Vd] is a view
             flat = [i for row in order for i in row]
             row_laws = list(torch.cat(laws)[device_tensor(flat, torch.int64, device)].split(list(depths)))
         chains = [

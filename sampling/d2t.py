@@ -111,10 +111,8 @@ class DraftToTargetMap:
         """`proposal` of each row's draw (`Drafted`: target ids, parents, its dense draft-space
         law or None), the dense laws of all rows mapped by one `map_probs` over their
         concatenation: a drafting step's rows cost the mapping's few launches once, not per row."""
-        dense = [d for d in drafted if d.probs is not None]
-        mapped = iter(
-            self.map_probs(torch.cat([d.probs for d in dense])).split([len(d.probs) for d in dense]) if dense else ()
-        )
+        laws = [d.probs for d in drafted if d.probs is not None]
+        mapped = iter(self.map_probs(torch.cat(laws)).split([len(law) for law in laws]) if laws else [])
         return [
             Proposal(list(d.target_ids), list(d.parents), None if d.probs is None else next(mapped), source, d)
             for d in drafted
