@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from models.base import CausalLM
+from models.eagle import EagleDraft
 from sampling import RequestRng, SamplingParams, Verifier, VerifyBatch
 
 PRIOR = 0.5  # acceptance assumed before a request has shown any
@@ -355,8 +356,16 @@ def calibrate(target: CausalLM, draft: CausalLM | None, verifier: Verifier, max_
             draft.reserve(draft_state, context + runs)
             draft.extend_last([draft_state], [prompt])
 
-            def depth() -> None:
-                draft.extend_batch([draft_state], [[1]])[0].argmax(-1).item()
+            if isinstance(draft, EagleDraft):  # a head drafts by chain steps (graph replays on a GPU)
+                token = torch.ones(1, dtype=torch.int64, device=draft.device)
+                hidden = torch.zeros(1, draft.config.hidden_size, dtype=draft.dtype, device=draft.device)
+
+                def depth() -> None:  # a chain of one step, its stacking copy included
+                    draft.chain([draft_state], 1).step(token, hidden)[0].argmax(-1).item()
+            else:
+
+                def depth() -> None:
+                    draft.extend_batch([draft_state], [[1]])[0].argmax(-1).item()
 
         return StepCosts.measure(verify_step, depth, max_k, queued_steps if queued else None)
     finally:

@@ -7,9 +7,10 @@ node; the accepted path of each verify pass on the decode node, never the prompt
 with the tokens after them, in one head forward for the batch. Its last output then drafts a
 chain: depth d draws from the head's logits at the request's parameters (`propose_candidates`,
 the exact law, mapped to the target's vocabulary by d2t), and feeds the drawn token with the
-head's own output hidden in place of the target's features. The drafted positions are dropped
-from the head's KV afterwards: the next catch-up writes those positions from the target's
-features.
+head's own output hidden in place of the target's features. The depths run over a stacked copy
+of the rows' KV (`EagleDraft.chain`; on a GPU one CUDA-graph replay per depth), so the drafted
+positions never enter the head's own KV: the next catch-up writes those positions from the
+target's features.
 
 On the prefill node the head's state rides on the target's (`State.rides`), so its KV ships
 with the target's; on the decode node the imported one is where the proposer starts.
@@ -21,7 +22,6 @@ from collections.abc import Sequence
 
 import torch
 
-from common.transfer import device_tensor
 from engine.proposer import Plan, Row
 from models.eagle import EagleDraft, HeadState
 from sampling import DraftToTargetMap, SamplingTensors, propose_candidates, stream_uniforms
@@ -99,56 +99,39 @@ class EagleProposer:
             self.draft.extend(behind, ids, features, fused=False)
 
     def draft_rows(self, rows: Sequence[Row], depths: Sequence[int]) -> list[Proposal]:
-        """Every row's chain to its depth (> 0): one head forward to catch up, one per depth.
-        The depths run on the device, each fed the last one's draws and outputs; the drawn ids
-        come to the host once, at the end."""
+        """Every row's chain to its depth (> 0): one head forward to catch up, then one chain
+        step per depth for all rows (`EagleDraft.chain`: a graph replay on a GPU; a row past its
+        own depth drafts on, unread). The depths run on the device, each fed the last one's
+        draws and outputs; the drawn ids come to the host once, at the end."""
         self.catch_up(rows)
         states: list[HeadState] = [row.draft_state for row in rows]
         device = self.d2t.d2t.device
+        deepest = max(depths)
         # One uniform per node, for either law: a seeded stream never depends on the law.
         uniforms = stream_uniforms([row.rng for row in rows], depths, device)  # [R, K_max], zero padded
         params = SamplingTensors.from_params([row.params for row in rows], device)
-        committed = [len(state.tokens) for state in states]
-        logits = torch.stack([state.last[0] for state in states]).to(device)  # [M, Vd]
-        hidden = torch.stack([state.last[1] for state in states])  # [M, H]
-        laws: list[torch.Tensor] = []  # per depth: the law of each of its rows' draws [M, Vd]
-        actives, drawn, mapped = [], [], []  # per depth: its rows, their draft and target ids [M]
-        active = list(range(len(rows)))
-        while active:
-            depth = len(actives)
-            sample = propose_candidates(self.law, logits, params.select(active), uniforms[active, depth : depth + 1], 1)
-            actives.append(active)
+        logits = torch.stack([state.last[0] for state in states]).to(device)  # [R, Vd]
+        hidden = torch.stack([state.last[1] for state in states])  # [R, H]
+        chain = self.draft.chain(states, deepest - 1) if deepest > 1 else None
+        laws: list[torch.Tensor] = []  # per depth: the law of each row's draw [R, Vd]
+        drawn, mapped = [], []  # per depth: each row's draft and target id [R]
+        for depth in range(deepest):
+            sample = propose_candidates(self.law, logits, params, uniforms[:, depth : depth + 1], 1)
             drawn.append(sample.token_ids[:, 0])
             mapped.append(self.d2t.map_tokens(drawn[-1]))
             if sample.probs is not None:
                 laws.append(sample.probs[:, 0])
-            going = [m for m, r in enumerate(active) if depths[r] > depth + 1]
-            if going:  # the drawn token and the head's own output feed the next depth
-                keep = slice(None) if len(going) == len(active) else device_tensor(going, torch.int64, device)
-                active = [active[m] for m in going]
-                logits, hidden = self.draft.draft_step([states[r] for r in active], mapped[-1][keep], hidden[keep])
-            else:
-                active = []
-        for state, length in zip(states, committed, strict=True):
-            self.draft.truncate(state, length)  # drafted positions: rewritten from the target's features
-        ids = torch.cat([*drawn, *mapped]).tolist()  # the one host read of the chain
-        half = len(ids) // 2
-        # Node (depth d, m-th active row) is entry starts[d] + m of the depth-major draws; row r's
-        # chain reads its entries in depth order.
-        at, starts = 0, []
-        for active in actives:
-            starts.append(at)
-            at += len(active)
-        place = [{r: starts[d] + m for m, r in enumerate(active)} for d, active in enumerate(actives)]
-        order = [[place[d][r] for d in range(depths[r])] for r in range(len(rows))]
-        row_laws: list[torch.Tensor | None] = [None] * len(rows)
-        if laws and len(actives[-1]) == len(rows):  # every row at every depth: [R, K, Vd], no index
-            row_laws = list(torch.stack(laws, 1).unbind(0))
-        elif laws:  # ragged depths: one gather into row order, then each row's [K_r, Vd] is a view
-            flat = [i for row in order for i in row]
-            row_laws = list(torch.cat(laws)[device_tensor(flat, torch.int64, device)].split(list(depths)))
+            if depth + 1 < deepest:  # the drawn token and the head's own output feed the next depth
+                logits, hidden = chain.step(mapped[-1], hidden)
+        ids = torch.stack([*drawn, *mapped]).tolist()  # [2K, R]: the one host read of the chain
+        row_laws = list(torch.stack(laws, 1).unbind(0)) if laws else [None] * len(rows)  # [K, Vd] each
         chains = [
-            Drafted([ids[i] for i in row], [ids[half + i] for i in row], list(range(-1, len(row) - 1)), law)
-            for row, law in zip(order, row_laws, strict=True)
+            Drafted(
+                [ids[d][r] for d in range(depth)],
+                [ids[deepest + d][r] for d in range(depth)],
+                list(range(-1, depth - 1)),
+                None if law is None else law[:depth],
+            )
+            for r, (depth, law) in enumerate(zip(depths, row_laws, strict=True))
         ]
         return self.d2t.proposals(chains)

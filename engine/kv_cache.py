@@ -117,11 +117,6 @@ class KvPool:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
-def bucket(n: int, smallest: int = 1) -> int:
-    """The smallest power of two >= max(n, smallest): graph shapes come from a few buckets."""
-    return max(smallest, 1 << max(0, n - 1).bit_length())
-
-
 @dataclass
 class BatchMeta:
     """The index tensors of one ragged forward (host or device), padded to `rows` x

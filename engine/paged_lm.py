@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,9 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.graphs import bucket, capture_graph
 from common.transfer import HostCopy, pinned, shared_tensor, to_device, to_host_async
 from engine.device import on_device, serve_attention_without_cudnn
-from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta, bucket
+from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta
 from engine.options import ATTENTION_BACKENDS, MAX_GRAPH_QUERIES
 from models.base import (
     CausalLM,
@@ -35,6 +35,7 @@ from models.base import (
     end_import,
     live_rows,
 )
+from models.eagle import EagleDraft
 from models.kv_import import KvWriter, gather
 from models.llama import EAGER, LlamaCausalLM, compiled_pointwise, keep_row_features
 from models.pair import ModelPair
@@ -104,9 +105,6 @@ def pad_rows(values: torch.Tensor, place: torch.Tensor, size: int, fill: int = 0
     tokens: position 0, row length 1, writing the scratch slot)."""
     out = torch.full((size,), fill, dtype=values.dtype, device=values.device)
     return out.index_copy_(0, place, values)
-
-
-_CAPTURE_LOCK = threading.Lock()
 
 
 class _Graph:
@@ -382,16 +380,8 @@ class PagedLlamaLM(ChunkedImport):
                 features_at=self.feature_layers,
             )
 
-        with _CAPTURE_LOCK:  # one capture at a time per process (two nodes in a test share one)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                forward()  # warm-up: kernels chosen and workspaces allocated outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            # thread_local: other threads (the other node, gRPC) may use the GPU meanwhile
-            with torch.cuda.graph(graph.graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-                out = forward()
-            graph.logits, graph.features = out if isinstance(out, tuple) else (out, None)
+        out = capture_graph(graph.graph, self._graph_pool, self.device, forward)
+        graph.logits, graph.features = out if isinstance(out, tuple) else (out, None)
         return graph
 
     def capture_graphs(self, batch: int, context: int, queries: Sequence[int]) -> int:
@@ -562,6 +552,9 @@ def paged_pair(
     if isinstance(draft, LlamaCausalLM):
         draft = PagedLlamaLM.with_pool(draft, tokens * bytes_per_token(draft), eager=eager, attention=attention)
         draft.warm_up()
+    elif isinstance(draft, EagleDraft) and target.graphs:  # a head's drafting depths replay graphs as well
+        shape = capture if capture is not None and capture.batch else GraphCapture()
+        draft = draft.with_graphs(shape.batch, shape.context)
     target.warm_up()
     log.info(
         "KV pools: %s",
@@ -576,6 +569,8 @@ def paged_pair(
         captured = target.capture_graphs(capture.batch, capture.context, capture.target_queries)
         if isinstance(draft, PagedLlamaLM):
             captured += draft.capture_graphs(capture.batch, capture.context, capture.draft_queries)
+        elif isinstance(draft, EagleDraft):
+            captured += draft.capture_chains()
         log.info("captured %d CUDA graphs in %.1f s (%s)", captured, time.monotonic() - started, capture)
     return ModelPair(target, draft, pair.d2t, pair.tokenizer)
 

@@ -20,14 +20,17 @@ trained for) and `model.safetensors`.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from common.graphs import bucket, capture_graph
 from common.transfer import device_tensor
 from models.base import ChunkedImport, GrowingKv, State, end_import
 from models.kv_import import KvWriter
@@ -48,6 +51,7 @@ from protos.kv_layout import layer_kv_layout, layout_order
 
 EAGLE_CONFIG = "eagle.json"
 EAGLE_WEIGHTS = "model.safetensors"
+MIN_CHAIN_WIDTH = 256  # the smallest key-width bucket of a chain graph (as the paged models' graphs)
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -186,6 +190,149 @@ class HeadState(State):
     last: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
 
 
+@dataclass
+class StackedKv:
+    """A `KvStore` for the drafting depths of a chain: M rows' committed keys and values copied
+    once into [M, Hkv, W, D] (`load`); each depth writes row m's new key and value at
+    positions[m] and attends to its keys 0..positions[m]. Every index is a device tensor, so a
+    depth is one capturable forward (`EagleDraft.depth`); the rows' own caches are never written
+    (a chain's drafted positions are not kept: the next catch-up writes them from the target's
+    features)."""
+
+    keys: torch.Tensor  # [M, Hkv, W, D]
+    values: torch.Tensor  # [M, Hkv, W, D]
+    positions: torch.Tensor  # [M] int64: each row's next position
+    rows: torch.Tensor  # [M] int64: 0..M-1
+    key_index: torch.Tensor  # [W] int64: 0..W-1
+
+    @classmethod
+    def empty(cls, rows: int, width: int, kv_heads: int, head_dim: int, dtype, device) -> StackedKv:
+        def cache() -> torch.Tensor:
+            return torch.zeros(rows, kv_heads, width, head_dim, dtype=dtype, device=device)
+
+        def index(n: int) -> torch.Tensor:
+            return torch.arange(n, dtype=torch.int64, device=device)
+
+        return cls(cache(), cache(), torch.zeros(rows, dtype=torch.int64, device=device), index(rows), index(width))
+
+    def view(self, rows: int, width: int) -> StackedKv:
+        """The first `rows` rows and `width` positions (views: a graph's inputs within a larger cache)."""
+        return StackedKv(
+            self.keys[:rows, :, :width],
+            self.values[:rows, :, :width],
+            self.positions[:rows],
+            self.rows[:rows],
+            self.key_index[:width],
+        )
+
+    def load(self, caches: Sequence[ContiguousKv]) -> None:
+        """Rows 0..len(caches)-1 <- those caches' live keys and values (one multi-tensor copy);
+        every row's position <- its cache's length (rows past them: 0)."""
+        live = [(m, cache) for m, cache in enumerate(caches) if cache.length]
+        if live:
+            targets = [t[m, :, : cache.length] for t in (self.keys, self.values) for m, cache in live]
+            sources = [cache.keys[0][:, : cache.length] for _, cache in live]
+            sources += [cache.values[0][:, : cache.length] for _, cache in live]
+            torch._foreach_copy_(targets, sources)
+        lengths = [c.length for c in caches] + [0] * (len(self.positions) - len(caches))
+        self.positions.copy_(device_tensor(lengths, torch.int64, self.positions.device))
+
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        k, v = kv  # [M, Hkv, D] each
+        self.keys[self.rows, :, self.positions] = k
+        self.values[self.rows, :, self.positions] = v
+        mask = (self.key_index[None, :] <= self.positions[:, None])[:, None, None, :]  # [M, 1, 1, W]
+        out = F.scaled_dot_product_attention(q[:, :, None], self.keys, self.values, attn_mask=mask, enable_gqa=True)
+        return out[:, :, 0]  # [M, Hq, D]
+
+
+@dataclass
+class _DepthGraph:
+    """One captured drafting depth: its rows' logits [R, Vd] and output hidden [R, H], rewritten
+    by every replay."""
+
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+    out: torch.Tensor
+
+
+class ChainGraphs:
+    """The head's drafting depth as CUDA graphs, one per (row bucket, key-width bucket), over one
+    stacked cache of `rows` x `width` positions and static token / hidden inputs that every graph
+    views (a node runs one chain at a time). A chain whose rows or width pass these runs eagerly."""
+
+    def __init__(self, draft: EagleDraft, rows: int, width: int) -> None:
+        c, device = draft.config, draft.device
+        self.draft = draft
+        self.rows, self.width = bucket(rows), bucket(width, MIN_CHAIN_WIDTH)
+        self.stacked = StackedKv.empty(self.rows, self.width, c.num_kv_heads, c.head_dim, draft.dtype, device)
+        self.tokens = torch.zeros(self.rows, dtype=torch.int64, device=device)
+        self.hidden = torch.zeros(self.rows, c.hidden_size, dtype=draft.dtype, device=device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], _DepthGraph] = {}
+
+    def key(self, rows: int, width: int) -> tuple[int, int] | None:
+        key = bucket(rows), bucket(width, MIN_CHAIN_WIDTH)
+        return key if key[0] <= self.rows and key[1] <= self.width else None
+
+    def all_keys(self) -> list[tuple[int, int]]:
+        """Every key these buffers hold: row buckets 1..rows x widths MIN_CHAIN_WIDTH..width."""
+        rows = [1 << i for i in range(self.rows.bit_length())]
+        widths = [MIN_CHAIN_WIDTH << i for i in range((self.width // MIN_CHAIN_WIDTH).bit_length())]
+        return [(r, w) for r in rows for w in widths]
+
+    def graph(self, key: tuple[int, int]) -> _DepthGraph:
+        """The graph of `key`, captured now if it is not yet."""
+        if key not in self.graphs:
+            rows, width = key
+            stacked = self.stacked.view(rows, width)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.device(self.draft.device), torch.inference_mode():
+                logits, out = capture_graph(
+                    graph,
+                    self.pool,
+                    self.draft.device,
+                    lambda: self.draft.depth(stacked, self.tokens[:rows], self.hidden[:rows]),
+                )
+            self.graphs[key] = _DepthGraph(graph, logits, out)
+        return self.graphs[key]
+
+
+class HeadChain:
+    """One drafting chain of M rows: their committed KV stacked once, then `step` per depth
+    after the first (a graph replay where `ChainGraphs` holds the shape, else an eager forward)."""
+
+    def __init__(self, draft: EagleDraft, states: Sequence[State], steps: int) -> None:
+        c, caches = draft.config, [state.kv for state in states]
+        self.draft, self.rows = draft, len(caches)
+        width = max(cache.length for cache in caches) + steps
+        graphs = draft.chain_graphs
+        key = None if graphs is None else graphs.key(self.rows, width)
+        self.graph = None if key is None else graphs.graph(key)
+        self.inputs = None if key is None else (graphs.tokens, graphs.hidden)
+        if key is None:
+            self.stacked = StackedKv.empty(self.rows, width, c.num_kv_heads, c.head_dim, draft.dtype, draft.device)
+        else:
+            self.stacked = graphs.stacked.view(*key)
+        with torch.inference_mode():
+            self.stacked.load(caches)
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [M] int64 target ids, hidden [M, H] (the last depth's outputs), on the device ->
+        float32 logits [M, Vd] (a copy) and the output hidden [M, H] (valid until the next step)."""
+        m = self.rows
+        self.draft.positions_computed += m
+        with torch.inference_mode():
+            if self.graph is None:
+                logits, out = self.draft.depth(self.stacked, tokens, hidden.to(self.draft.dtype))
+                return logits.float(), out
+            tokens_in, hidden_in = self.inputs
+            tokens_in[:m].copy_(tokens)
+            hidden_in[:m].copy_(hidden)
+            self.graph.graph.replay()
+            return self.graph.logits[:m].to(torch.float32, copy=True), self.graph.out[:m]
+
+
 class EagleDraft(ChunkedImport, GrowingKv):
     """A head as a pair's draft: draft-vocabulary logits, its own KV per request (one layer,
     contiguous), exported and imported in `kv_layout` like a target's."""
@@ -206,6 +353,7 @@ class EagleDraft(ChunkedImport, GrowingKv):
         self.name = f"eagle:{c.target_fingerprint}:{weights_digest}:{dtype_name}"
         self.kv_layout = layer_kv_layout(1, c.num_kv_heads, c.head_dim, self.dtype)
         self.positions_computed = 0
+        self.chain_graphs: ChainGraphs | None = None  # `with_graphs`: a GPU node's
 
     def _new_cache(self, capacity: int) -> ContiguousKv:
         c = self.config
@@ -232,17 +380,40 @@ class EagleDraft(ChunkedImport, GrowingKv):
             state.last = (row_logits[-1], row_out[-1])
         return logits, out
 
-    def draft_step(
-        self, states: Sequence[State], tokens: torch.Tensor, hidden: torch.Tensor
+    def chain(self, states: Sequence[State], steps: int) -> HeadChain:
+        """A drafting chain of these rows past their committed positions, `steps` depths after
+        the first (which draws from `last`): see `HeadChain`. The states are not changed."""
+        return HeadChain(self, states, steps)
+
+    def depth(
+        self, stacked: StackedKv, tokens: torch.Tensor, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafted position per row, its inputs already on the device (no host read between
-        depths): tokens [M] int64 target ids, hidden [M, H] the head's previous outputs ->
-        float32 logits [M, Vd], output hidden [M, H]. The positions go into the KV only (the
-        states' tokens and `last` stay the committed ones): `truncate` to the committed length
-        drops them."""
-        with torch.inference_mode():
-            logits, out = self._forward(states, [1] * len(states), tokens, hidden.to(self.dtype))
-        return logits.float(), out
+        """One drafted position of every row of `stacked`, at its position, which then moves on
+        by one: tokens [M] int64 target ids, hidden [M, H] (the head's previous outputs) ->
+        logits [M, Vd], output hidden [M, H]. Device tensors in, device work only: capturable."""
+        logits, out = self.head(tokens, hidden, stacked.positions, stacked)
+        stacked.positions.add_(1)
+        return logits, out
+
+    def with_graphs(self, rows: int, width: int) -> EagleDraft:
+        """This head (the same weights) replaying the drafting depths of chains of up to `rows`
+        rows and `width` positions from CUDA graphs (`ChainGraphs`; captured on first use, or by
+        `capture_chains`). A copy: each node runs one chain at a time over the graphs' static
+        buffers, and the two nodes of one process must not share them."""
+        draft = copy.copy(self)
+        draft.chain_graphs = ChainGraphs(draft, rows, width)
+        return draft
+
+    def capture_chains(self) -> int:
+        """Capture every graph `with_graphs` allows now (start-up: no request waits for one);
+        how many were captured."""
+        graphs = self.chain_graphs
+        if graphs is None:
+            return 0
+        keys = [key for key in graphs.all_keys() if key not in graphs.graphs]
+        for key in keys:
+            graphs.graph(key)
+        return len(keys)
 
     def _forward(
         self, states: Sequence[State], lengths: Sequence[int], tokens: torch.Tensor, x: torch.Tensor
@@ -261,8 +432,8 @@ class EagleDraft(ChunkedImport, GrowingKv):
         return logits, out
 
     def extend_batch(self, states: Sequence[State], ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """The head over tokens alone, zero hidden inputs: what a depth costs (adaptive K's
-        calibration, engine/adaptive.py), never a draft."""
+        """The head over tokens alone, zero hidden inputs (adaptive K's calibration fills a state
+        with it before it times a chain's depth, engine/adaptive.py), never a draft."""
         zeros = [torch.zeros(len(row), self.config.hidden_size, dtype=self.dtype) for row in ids]
         return self.extend(states, ids, zeros, fused=True)[0]
 

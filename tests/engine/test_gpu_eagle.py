@@ -49,6 +49,40 @@ def test_graph_replays_keep_the_eager_features(dirs):
     assert_fp_close(features[0], features[1], model_roundings(pair.target))
 
 
+def test_chain_replays_are_the_eager_chain(dirs):
+    """The head's drafting depths captured at start-up (one graph per row bucket up to the
+    capture's batch, one width) replay what an eager chain computes, for rows of different
+    lengths padded into a larger row bucket, and leave the rows' own KV as it was."""
+    pair = load_pair(target_model=dirs[0], draft_model=dirs[1], device="cuda", dtype=torch.float32)
+    paged = paged_pair(pair, 1 << 24, capture=GraphCapture(batch=4, context=64, target_queries=(1,)))
+    head, eager = paged.draft, pair.draft
+    assert eager.chain_graphs is None and sorted(head.chain_graphs.graphs) == [(1, 256), (2, 256), (4, 256)]
+    width = len(head.feature_layers) * head.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    vocab = pair.target.vocab_size
+    starts = [
+        (torch.randint(0, vocab, (n,), generator=generator).tolist(), torch.randn(n, width, generator=generator))
+        for n in (5, 20, 9)
+    ]
+    outputs = []
+    for model in (head, eager):
+        states = [model.empty_state() for _ in starts]
+        for state, (ids, features) in zip(states, starts, strict=True):
+            model.extend([state], [ids], [features.cuda()], fused=False)
+        before = [state.kv.keys[0][:, : state.kv.length].clone() for state in states]
+        chain = model.chain(states, 3)
+        hidden, steps = torch.stack([state.last[1] for state in states]), []
+        for depth in range(3):
+            logits, hidden = chain.step(torch.tensor([7 + depth, 3, 11], device="cuda"), hidden)
+            steps.append((logits.clone(), hidden.clone()))
+        assert all(torch.equal(s.kv.keys[0][:, : s.kv.length], b) for s, b in zip(states, before, strict=True))
+        outputs.append(steps)
+    assert head.chain_graphs.graphs.keys() == {(1, 256), (2, 256), (4, 256)}  # replayed, none captured on use
+    for (got_logits, got_hidden), (want_logits, want_hidden) in zip(*outputs, strict=True):
+        assert_fp_close(got_logits, want_logits, model_roundings(pair.target))
+        assert_fp_close(got_hidden, want_hidden, model_roundings(pair.target))
+
+
 @pytest.mark.parametrize("method", ["eagle", "hybrid"])
 def test_greedy_and_seeded_requests_are_those_of_k0(dirs, method):
     pair = load_pair(target_model=dirs[0], draft_model=dirs[1], device="cuda", dtype=torch.float32)

@@ -94,6 +94,42 @@ def test_training_chain_is_what_the_served_head_drafts(pair):
             assert_fp_close(logits[0][-1], chains[j][0][0, base + j].float(), 200)
 
 
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_chain_steps_as_the_head_extended_one_position_at_a_time(pair, steps):
+    """`EagleDraft.chain` (every drafting depth over one stacked copy of the rows' KV; a graph
+    replay on a GPU): each step gives every row, whatever its length, the logits and hidden of
+    the head extended by that one position on its own, and the rows' states stay as they were."""
+    head, vocab = pair.draft, pair.target.vocab_size
+    width = len(head.feature_layers) * head.config.hidden_size
+
+    def started(length: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        state = head.empty_state()
+        ids = torch.randint(0, vocab, (length,), generator=generator).tolist()
+        head.extend([state], [ids], [torch.randn(length, width, generator=generator)], fused=False)
+        return state
+
+    lengths = [3, 12, 7]
+    states = [started(n, seed) for seed, n in enumerate(lengths)]
+    alone = [started(n, seed) for seed, n in enumerate(lengths)]  # the reference: one row, one position at a time
+    committed = [(list(s.tokens), s.kv.keys[0][:, : s.kv.length].clone()) for s in states]
+    tokens = torch.randint(0, vocab, (steps, len(lengths)), generator=torch.Generator().manual_seed(9))
+    chain = head.chain(states, steps)
+    hidden = torch.stack([s.last[1] for s in states])  # [R, H]: depth 1's drafts read the catch-up's outputs
+    previous = [s.last[1] for s in alone]
+    for depth in range(steps):
+        logits, hidden = chain.step(tokens[depth], hidden)
+        assert logits.dtype == torch.float32 and logits.shape == (len(lengths), head.vocab_size)
+        for r, state in enumerate(alone):
+            want, out = head.extend([state], [[int(tokens[depth, r])]], [previous[r][None]], fused=True)
+            assert_fp_close(logits[r], want[0][0], 200)
+            assert_fp_close(hidden[r], out[0][0], 200)
+            previous[r] = out[0][0]
+    for state, (tokens_before, keys_before) in zip(states, committed, strict=True):
+        assert state.tokens == tokens_before and state.kv.length == len(tokens_before)
+        assert torch.equal(state.kv.keys[0][:, : state.kv.length], keys_before)
+
+
 def test_loss_falls(target_dir, tmp_path):
     model, tokenizer = load_model(target_dir, dtype=torch.float32)
     samples = distill.generate_samples(model, tokenizer, tokens=300, max_new_tokens=24, batch=8, seed=3)
