@@ -292,7 +292,8 @@ class PagedLlamaLM(ChunkedImport):
                 logits_at = to_device(torch.tensor(lengths).cumsum(0) - 1, self.device) if last_only else None
                 positions, seq_lens = to_device(positions, self.device), to_device(seq_lens, self.device)
                 if shift is not None:
-                    Shift.build(shift, seqs, lengths, None).apply(positions, seq_lens, meta, self.pool.block_size, window)
+                    moved = Shift.build(shift, seqs, lengths, None)
+                    moved.apply(positions, seq_lens, meta, self.pool.block_size, window)
                 out = self.module(
                     to_device(tokens, self.device),
                     positions,

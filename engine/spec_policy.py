@@ -37,7 +37,7 @@ from engine.sequence import Sequence
 from engine.spec_config import SpeculativeConfig
 from models.base import CausalLM
 from sampling import Verifier
-from sampling.proposal import PREFILL
+from sampling.proposal import LOOKUP, PREFILL
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,30 @@ class SpecPolicy:
         if not self.pipelined:
             return False
         return all(s.plain or self._idle(s, s in unread) for s in seqs)
+
+    def ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether a step that speculates can be queued before the step in flight is read, its rows
+        drafting ahead (decode_node/engine.py `_ahead`): with async scheduling, for a proposer
+        that drafts point-mass chains from the context alone (prompt lookup), where every row
+        needs nothing but its tokens back and every row that may draft is greedy (a sampled
+        row's coupling needs its position, which a step drafting ahead leaves on the device)."""
+        if not self.pipelined or not self.proposer.match_driven:
+            return False
+        return all(
+            not s.logprobs and s.grammar is None and (not s.k or (s.params.is_greedy and s.candidates == 1))
+            for s in seqs
+        )
+
+    def ahead_depths(self, seqs: list[Sequence], limits: list[int]) -> list[int]:
+        """Each row's K in a step drafting ahead, of the `limits[r]` drafts its match offers: what
+        adaptive K pays for (admitted by the step's floor where the gate let it speculate), or
+        all of them."""
+        depths = []
+        for seq, limit in zip(seqs, limits, strict=True):
+            adaptive = self._rows[seq].adaptive
+            depths.append(limit if adaptive is None or not limit else self._depth(adaptive, LOOKUP, limit))
+        self._drafted = sum(depths)
+        return depths
 
     def choose(self, seqs: list[Sequence], hold: bool) -> StepChoice:
         """A synchronous step's drafting: each row past its first step proposes the K its running

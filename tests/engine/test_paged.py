@@ -284,8 +284,12 @@ def test_a_shifted_chain_forward_is_the_forward_at_the_rows_true_lengths(models,
         place = padded_places(lengths, 4)
         meta = batch_meta(paged.pool, seqs, lengths, paged.config.sliding_window, rows=4, width=256, queries=4)
         past = [s.length for s in seqs]
-        positions = pad_rows(torch.tensor([p + i for p, n in zip(past, lengths) for i in range(n)]), place, 16)
-        seq_lens = pad_rows(torch.tensor([p + n for p, n in zip(past, lengths) for _ in range(n)]), place, 16, fill=1)
+        positions = pad_rows(
+            torch.tensor([p + i for p, n in zip(past, lengths, strict=True) for i in range(n)]), place, 16
+        )
+        seq_lens = pad_rows(
+            torch.tensor([p + n for p, n in zip(past, lengths, strict=True) for _ in range(n)]), place, 16, fill=1
+        )
         tokens = pad_rows(torch.tensor([t for row in feed for t in row]), place, 16)
         Shift.build(by, seqs, lengths, place).apply(
             positions, seq_lens, meta, paged.pool.block_size, paged.config.sliding_window
@@ -294,7 +298,11 @@ def test_a_shifted_chain_forward_is_the_forward_at_the_rows_true_lengths(models,
         assert positions[4].item() == len(prompts[1]) + 1  # row 1 kept x alone
         with torch.inference_mode():
             out = paged.module(
-                tokens, positions, PagedBatch(paged.pool, meta, dense=True), num_layers=paged.num_layers, seq_lens=seq_lens
+                tokens,
+                positions,
+                PagedBatch(paged.pool, meta, dense=True),
+                num_layers=paged.num_layers,
+                seq_lens=seq_lens,
             )
         got = out[place].split(lengths)
         for sp, row in zip(states, feed, strict=True):
