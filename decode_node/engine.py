@@ -6,10 +6,10 @@ memory): such a request's target KV is reserved in arrival order, the servicer w
 bytes straight into it, and the request is admitted once they are all in. Each step admits
 what fits (slots and KV blocks), asks the speculation policy (engine/spec_policy.py) what to
 run, and runs it for every active sequence: the speculative step of engine/spec_step.py, or,
-with async scheduling (on a GPU by default), a K = 0 step queued before the step before it is
-read (`spec_step.queue_plain`; docs/design.md §9 "Async scheduling"). A row that finished in
-step n also ran in a queued step n+1: that token is dropped, and its KV is freed once step
-n+1 is read. Emitted tokens go to the request's event queue; the servicer streams them. Paused
+with async scheduling (on a GPU by default), a step queued before the step before it is read
+(`spec_step.queue`: K = 0, or greedy prompt-lookup rows drafting ahead; docs/design.md §9 "Async
+scheduling"). A row that finished in step n also ran in a queued step n+1: that token is
+dropped, and its KV is freed once step n+1 is read. Emitted tokens go to the request's event queue; the servicer streams them. Paused
 readers and preemption (KV recomputed when resumed) keep waits bounded: decode_node/fairness.py.
 """
 

@@ -142,12 +142,7 @@ class SpecPolicy:
         that drafts point-mass chains from the context alone (prompt lookup), where every row
         needs nothing but its tokens back and every row that may draft is greedy (a sampled
         row's coupling needs its position, which a step drafting ahead leaves on the device)."""
-        if not self.pipelined or not self.proposer.match_driven:
-            return False
-        return all(
-            not s.logprobs and s.grammar is None and (not s.k or (s.params.is_greedy and s.candidates == 1))
-            for s in seqs
-        )
+        return all(s.plain or self._drafts_ahead(s) for s in seqs)
 
     def ahead_depths(self, seqs: list[Sequence], limits: list[int]) -> list[int]:
         """Each row's K in a step drafting ahead, of the `limits[r]` drafts its match offers: what
@@ -278,4 +273,18 @@ class SpecPolicy:
             return plan.limit > 0
         k = row.adaptive.choose(plan.source, plan.limit, self.costs) if plan.limit else 0
         row.planned = plan.source, k
-        return k > 0 and (not self.pipelined or row.adaptive.pays_to_wait(plan.source, k, self.costs))
+        if not self.pipelined or self._drafts_ahead(seq):  # no wait for the step in flight
+            return k > 0
+        return k > 0 and row.adaptive.pays_to_wait(plan.source, k, self.costs)
+
+    def _drafts_ahead(self, seq: Sequence) -> bool:
+        """Whether the row may draft in a step queued before its step in flight is read (`ahead`)."""
+        return (
+            self.pipelined
+            and self.proposer.match_driven
+            and bool(seq.k)
+            and not seq.logprobs
+            and seq.grammar is None
+            and seq.params.is_greedy
+            and seq.candidates == 1
+        )

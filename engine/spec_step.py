@@ -11,10 +11,11 @@
    other node's KV is dropped.
 The scheduler then appends the emitted tokens to the sequences (`Sequence.append`).
 
-`queue_plain` is the K = 0 step of async scheduling: queued on the device before the step
-before it is read, its input tokens that step's sampled tokens, still on the device; its
-positions and KV slots are known without them (every row gains exactly one token), so the host
-builds step n+1 while the device runs step n.
+`queue` is the step of async scheduling: queued on the device before the step before it is
+read, each row's first input token that step's last emitted one, still on the device, then any
+drafts the row made ahead of it (point-mass chains). Its positions and KV slots are built on the
+host as if the step in flight accepted all its drafts, and moved back on the device by what it
+rejected (`engine/kv_cache.Shift`), so the host builds step n+1 while the device runs step n.
 
 Terms: a row EMITS its accepted drafts plus one token (the correction at the first rejection,
 or the bonus after the last draft); `path` lists the accepted nodes.
