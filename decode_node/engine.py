@@ -9,8 +9,9 @@ run, and runs it for every active sequence: the speculative step of engine/spec_
 with async scheduling (on a GPU by default), a step queued before the step before it is read
 (`spec_step.queue`: K = 0, or greedy prompt-lookup rows drafting ahead; docs/design.md §9 "Async
 scheduling"). A row that finished in step n also ran in a queued step n+1: that token is
-dropped, and its KV is freed once step n+1 is read. Emitted tokens go to the request's event queue; the servicer streams them. Paused
-readers and preemption (KV recomputed when resumed) keep waits bounded: decode_node/fairness.py.
+dropped, and its KV is freed once step n+1 is read. Emitted tokens go to the request's event
+queue; the servicer streams them. Paused readers and preemption (KV recomputed when resumed)
+keep waits bounded: decode_node/fairness.py.
 """
 
 from __future__ import annotations
