@@ -421,12 +421,12 @@ class DecodeEngine:
         self, requests: list[Request], previous: _InFlight | None, carried: dict[Request, int]
     ) -> tuple[list[list[int]], list[_Guess | None]]:
         """Each row's drafts for a step queued before its step in flight is read, and what they
-        assume of that step. A row new to the batch knows its context: its prefill's proposal on
-        its first step, else its match. A row in flight continues its context as that step would
-        leave it if it accepted all its drafts (or none, where those drafts continued a context
-        that proved wrong): the match's first token guesses the token that step emits, the rest
-        are the drafts. Where the guess fails the drafts are rejected: the tokens stay the
-        target's, only the drafts are lost."""
+        assume of that step. A row new to the batch knows its context and drafts its match (on
+        a first step, the prefill's proposal is that same match, dropped). A row in flight
+        continues its context as that step would leave it if it accepted all its drafts (or
+        none, where those drafts continued a context that proved wrong): the match's first
+        token guesses the token that step emits, the rest are the drafts. Where the guess fails
+        the drafts are rejected: the tokens stay the target's, only the drafts are lost."""
         found: list[list[int]] = []
         guesses: list[_Guess | None] = []
         for request in requests:
@@ -436,11 +436,7 @@ class DecodeEngine:
                 found.append([])
                 guesses.append(None)
             elif at is None:
-                received = seq.received
-                if received is not None and received.probs is None and received.is_chain:
-                    found.append(list(received.token_ids[: min(seq.k, room)]))
-                else:
-                    found.append(seq.lookup.match(min(seq.k, room))[0])
+                found.append(seq.lookup.match(min(seq.k, room))[0])
                 guesses.append(None)
             else:
                 tail = [] if request in self._misguessed else previous.queued.drafts[at]
