@@ -148,10 +148,10 @@ class SpecPolicy:
         """Each row's K in a step drafting ahead, of the `limits[r]` drafts its match offers: what
         adaptive K pays for (admitted by the step's floor where the gate let it speculate), or
         all of them."""
-        depths = []
+        depths, ahead = [], self.costs.drafting_ahead()
         for seq, limit in zip(seqs, limits, strict=True):
             adaptive = self._rows[seq].adaptive
-            depths.append(limit if adaptive is None or not limit else self._depth(adaptive, LOOKUP, limit))
+            depths.append(limit if adaptive is None or not limit else self._depth(adaptive, LOOKUP, limit, ahead))
         self._drafted = sum(depths)
         return depths
 
@@ -179,10 +179,11 @@ class SpecPolicy:
         self.costs = calibrate(target, draft, verifier, self.spec.max_speculative_tokens, self.pipelined)
         self._measured = True
         log.info(
-            "adaptive K step costs: verify %s, draft depth %.2f, K = 0 read back %.2f",
+            "adaptive K step costs: verify %s, draft depth %.2f, K = 0 read back %.2f, verify queued ahead %s",
             self.costs.verify,
             self.costs.depth,
             self.costs.sync,
+            self.costs.ahead,
         )
         return self.costs
 
@@ -241,9 +242,10 @@ class SpecPolicy:
         shown = self.shown.rates(source)
         return row.adaptive.expected(source, row.adaptive.admitted(source, k, self._floor, shown), shown)
 
-    def _depth(self, adaptive: AdaptiveK, source: str, limit: int) -> int:
-        """A row's K: what adaptive K pays for, of which this step's floor admits the first ones."""
-        k = adaptive.choose(source, limit, self.costs)
+    def _depth(self, adaptive: AdaptiveK, source: str, limit: int, costs: StepCosts | None = None) -> int:
+        """A row's K: what adaptive K pays for (at `costs`, the node's table unless given), of
+        which this step's floor admits the first ones."""
+        k = adaptive.choose(source, limit, costs or self.costs)
         return adaptive.admitted(source, k, self._floor, self.shown.rates(source)) if self._floor else k
 
     def _batch_free(self, seq: Sequence) -> bool:
@@ -271,9 +273,11 @@ class SpecPolicy:
         plan = self.proposer.plan([seq], [seq.k])[0]
         if row.adaptive is None:
             return plan.limit > 0
-        k = row.adaptive.choose(plan.source, plan.limit, self.costs) if plan.limit else 0
+        ahead = self._drafts_ahead(seq)
+        costs = self.costs.drafting_ahead() if ahead else self.costs
+        k = row.adaptive.choose(plan.source, plan.limit, costs) if plan.limit else 0
         row.planned = plan.source, k
-        if not self.pipelined or self._drafts_ahead(seq):  # no wait for the step in flight
+        if not self.pipelined or ahead:  # no wait for the step in flight
             return k > 0
         return k > 0 and row.adaptive.pays_to_wait(plan.source, k, self.costs)
 
