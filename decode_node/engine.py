@@ -82,7 +82,8 @@ class DecodeEngine:
         self.proposer = proposer or proposer_for(pair, config.spec, config.device)
         self.grammars = grammar.Grammars.for_pair(pair)  # structured outputs (compiled on submitting threads)
         costs = config.step_costs or StepCosts((1.0,) * (config.spec.max_speculative_tokens + 1))
-        self.policy = SpecPolicy(config.spec, self.proposer, costs, self.pipelined)
+        ahead = self.pipelined and config.speculate_ahead != "off"
+        self.policy = SpecPolicy(config.spec, self.proposer, costs, self.pipelined, ahead)
         self.fairness = Fairness(config.max_batch, config.preempt_after_steps, config.pause_backlog, metrics)
         self._lock = threading.Condition()
         self._pending: list[Request] = []

@@ -63,10 +63,13 @@ class StepChoice:
 
 
 class SpecPolicy:
-    def __init__(self, spec: SpeculativeConfig, proposer: Proposer, costs: StepCosts, pipelined: bool) -> None:
+    def __init__(
+        self, spec: SpeculativeConfig, proposer: Proposer, costs: StepCosts, pipelined: bool, ahead: bool = False
+    ) -> None:
         self.spec, self.proposer = spec, proposer
         self.costs = costs  # adaptive K's cost table (engine/adaptive.calibrate at start-up)
         self.pipelined = pipelined  # async scheduling is on
+        self.drafting_ahead = ahead  # greedy prompt-lookup rows may speculate in queued steps (`ahead`)
         # Whether a batch speculates at all, from its measured steps (adaptive K: it prices each row).
         self.gate = BatchGate() if spec.adaptive else None
         # What this node's rows showed lately, all together: the gate prices a row that has shown
@@ -141,8 +144,9 @@ class SpecPolicy:
         drafting ahead (decode_node/engine.py `_ahead`): with async scheduling, for a proposer
         that drafts point-mass chains from the context alone (prompt lookup), where every row
         needs nothing but its tokens back and every row that may draft is greedy (a sampled
-        row's coupling needs its position, which a step drafting ahead leaves on the device)."""
-        return all(s.plain or self._drafts_ahead(s) for s in seqs)
+        row's coupling needs its position, which a step drafting ahead leaves on the device);
+        never with `--speculate-ahead off`."""
+        return self.drafting_ahead and all(s.plain or self._drafts_ahead(s) for s in seqs)
 
     def ahead_depths(self, seqs: list[Sequence], limits: list[int]) -> list[int]:
         """Each row's K in a step drafting ahead, of the `limits[r]` drafts its match offers: what
@@ -284,7 +288,7 @@ class SpecPolicy:
     def _drafts_ahead(self, seq: Sequence) -> bool:
         """Whether the row may draft in a step queued before its step in flight is read (`ahead`)."""
         return (
-            self.pipelined
+            self.drafting_ahead
             and self.proposer.match_driven
             and bool(seq.k)
             and not seq.logprobs

@@ -62,6 +62,7 @@ def run(
     max_batch: int = 8,
     preempt_after_steps: int = 0,
     measured: bool = False,
+    ahead: str = "auto",
 ):
     """The requests through a prefill engine and a decode engine stepped by hand: per request,
     (tokens, finish reason); `cancel_after` {request: steps} cancels it after that many steps.
@@ -74,6 +75,7 @@ def run(
         spec=SpeculativeConfig(max_speculative_tokens=4, method=method),
         max_batch=max_batch,
         async_scheduling=scheduling,
+        speculate_ahead=ahead,
         preempt_after_steps=preempt_after_steps,
         step_costs=None if measured else StepCosts((1.0, 1.2, 1.3, 1.4, 1.5)),
     )
@@ -225,6 +227,8 @@ def test_greedy_prompt_lookup_rows_draft_ahead_of_the_step_in_flight_and_emit_th
     assert sync[3][1] == "stop" and len(sync[2][0]) == 3
     late = run(pair, requests, "on", method="prompt-lookup", max_batch=2)  # rows join while others are in flight
     assert late == sync and run.ahead > 0
+    off = run(pair, requests, "on", method="prompt-lookup", ahead="off")  # --speculate-ahead off
+    assert off == sync and run.ahead == 0 and run.pipelined > 0
 
 
 def test_drafting_ahead_with_drafts_right_and_wrong_at_random_keeps_every_greedy_token(pair, monkeypatch):
@@ -497,6 +501,8 @@ def test_both_nodes_with_async_scheduling_serve_the_synchronous_streams(pair):
 def test_the_flag_is_checked():
     with pytest.raises(ValueError, match="async_scheduling: expected one of"):
         DecodeConfig(async_scheduling="yes")
+    with pytest.raises(ValueError, match="speculate_ahead: expected one of"):
+        DecodeConfig(speculate_ahead="yes")
     assert DecodeConfig(device="cuda").pipelined and not DecodeConfig().pipelined
 
 
