@@ -29,10 +29,10 @@ def build_parser():
     )
     parser.add_flag(
         "--speculate-ahead",
-        default="auto",
+        default="off",
         choices=SPECULATE_AHEAD,
         help="with async scheduling, queue greedy prompt-lookup steps that speculate too, each drafting on the "
-        "context the step in flight would leave if it accepted all its drafts (auto: on)",
+        "context the step in flight would leave if it accepted all its drafts",
     )
     parser.add_flag(
         "--adaptive-k",

@@ -21,9 +21,10 @@ class DecodeConfig:
     sampler_backend: str = "auto"
     device: str = "cpu"
     async_scheduling: str = "auto"  # on | off | auto (on where the device is a GPU)
-    # greedy prompt-lookup rows speculate in queued steps too (decode_node/engine.py `_ahead`):
-    # on | off | auto (= on) wherever async scheduling queues steps
-    speculate_ahead: str = "auto"
+    # on: greedy prompt-lookup rows speculate in queued steps too, wherever async scheduling
+    # queues steps (decode_node/engine.py `_ahead`); off (the default): they speculate in
+    # synchronous steps
+    speculate_ahead: str = "off"
     step_costs: StepCosts | None = None  # adaptive K's cost table; None: measured at start-up (calibrate)
     # Fairness (decode_node/fairness.py): a running request that has held its slot this many steps
     # while others wait for one is preempted (0: never); a stream whose client has not read this

@@ -82,7 +82,7 @@ class DecodeEngine:
         self.proposer = proposer or proposer_for(pair, config.spec, config.device)
         self.grammars = grammar.Grammars.for_pair(pair)  # structured outputs (compiled on submitting threads)
         costs = config.step_costs or StepCosts((1.0,) * (config.spec.max_speculative_tokens + 1))
-        ahead = self.pipelined and config.speculate_ahead != "off"
+        ahead = self.pipelined and config.speculate_ahead == "on"
         self.policy = SpecPolicy(config.spec, self.proposer, costs, self.pipelined, ahead)
         self.fairness = Fairness(config.max_batch, config.preempt_after_steps, config.pause_backlog, metrics)
         self._lock = threading.Condition()
@@ -425,9 +425,11 @@ class DecodeEngine:
         assume of that step. A row new to the batch knows its context and drafts its match (on
         a first step, the prefill's proposal is that same match, dropped). A row in flight
         continues its context as that step would leave it if it accepted all its drafts (or
-        none, where those drafts continued a context that proved wrong): the match's first
-        token guesses the token that step emits, the rest are the drafts. Where the guess fails
-        the drafts are rejected: the tokens stay the target's, only the drafts are lost."""
+        none, where those drafts continued a context that proved wrong): that context's match
+        guesses the token the step emits, and the match of the context with that token after it
+        gives the drafts (where the text repeats itself, a run as long as the row's K, not what
+        is left of the context after the occurrence). Where the guess fails the drafts are
+        rejected: the tokens stay the target's, only the drafts are lost."""
         found: list[list[int]] = []
         guesses: list[_Guess | None] = []
         for request in requests:
@@ -442,9 +444,9 @@ class DecodeEngine:
             else:
                 tail = [] if request in self._misguessed else previous.queued.drafts[at]
                 room -= len(tail) + 1  # the tokens the step in flight emits, as guessed
-                ahead = seq.lookup.match(min(seq.k, room) + 1, tail)[0] if room > 0 else []
-                found.append(ahead[1:])
-                guesses.append(_Guess(len(tail), ahead[0]) if ahead else None)
+                token = seq.lookup.match(1, tail)[0] if room > 0 else []
+                found.append(seq.lookup.match(min(seq.k, room), [*tail, *token])[0] if token else [])
+                guesses.append(_Guess(len(tail), token[0]) if token else None)
         depths = self.policy.ahead_depths([r.seq for r in requests], [len(d) for d in found])
         return [d[:k] for d, k in zip(found, depths, strict=True)], guesses
 

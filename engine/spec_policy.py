@@ -107,7 +107,8 @@ class SpecPolicy:
         speculate."""
         self._gated = None
         self.shown.decay(SHOWN_DECAY)
-        pipelines = self.pipelines(seqs, unread)
+        # a batch that drafts ahead is queued whatever its rows' matches: only the gate holds it
+        pipelines = self.pipelines(seqs, unread) and not self.ahead(seqs)
         gateable = (
             self.gate is not None
             and (len(seqs) > 1 or self._measured)

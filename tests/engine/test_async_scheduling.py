@@ -62,7 +62,7 @@ def run(
     max_batch: int = 8,
     preempt_after_steps: int = 0,
     measured: bool = False,
-    ahead: str = "auto",
+    ahead: str = "on",
 ):
     """The requests through a prefill engine and a decode engine stepped by hand: per request,
     (tokens, finish reason); `cancel_after` {request: steps} cancels it after that many steps.
@@ -263,7 +263,7 @@ def test_drafting_ahead_with_drafts_right_and_wrong_at_random_keeps_every_greedy
 def test_rows_cancelled_while_a_step_drafting_ahead_is_in_flight_give_back_their_blocks(pair):
     requests = [request(5, k=4, max_new=40), looping(2, max_new=40), request(9, k=4, max_new=40)]
     whole = run(pair, requests, "on", method="prompt-lookup")
-    out = run(pair, requests, "on", method="prompt-lookup", cancel_after={0: 24, 2: 27})
+    out = run(pair, requests, "on", method="prompt-lookup", cancel_after={0: 6, 2: 9})
     assert out[0][1] == out[2][1] == "cancelled" and out[1] == whole[1] and run.ahead > 0
 
 

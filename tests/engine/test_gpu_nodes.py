@@ -97,10 +97,10 @@ def test_steps_drafting_ahead_replay_moved_graphs_and_keep_every_greedy_token(gp
 
     with cluster(
         gpu_pair,
-        DecodeConfig(spec=SpeculativeConfig(method="prompt-lookup"), device="cuda", max_batch=16),
+        DecodeConfig(spec=SpeculativeConfig(method="prompt-lookup"), device="cuda", max_batch=16, speculate_ahead="on"),
         PrefillConfig(spec=SpeculativeConfig(method="prompt-lookup"), device="cuda"),
     ) as (client, _, decode):
-        assert decode.engine.pipelined
+        assert decode.engine.pipelined and decode.engine.policy.drafting_ahead
         prompts = [[40 + r, *range(3, 12 + r)] for r in range(8)]  # none a prefix of another
 
         def generate(prompt, k):

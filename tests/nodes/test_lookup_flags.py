@@ -56,8 +56,8 @@ def test_adaptive_k_reaches_the_decode_config():
 
 
 def test_speculate_ahead_reaches_the_decode_config(capsys):
-    assert decode_args([]).engine.speculate_ahead == "auto"
-    assert decode_args(["--speculate-ahead", "off"]).engine.speculate_ahead == "off"
+    assert decode_args([]).engine.speculate_ahead == "off"
+    assert decode_args(["--speculate-ahead", "on"]).engine.speculate_ahead == "on"
     assert "--speculate-ahead" in parser_error(decode_args, ["--speculate-ahead", "yes"], capsys)
 
 
