@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from decode_node.engine import DecodeConfig
 from decode_node.server import DecodeNodeConfig, run_server
-from engine.options import ADAPTIVE_K, ASYNC_SCHEDULING
+from engine.options import ADAPTIVE_K, ASYNC_SCHEDULING, SPECULATE_AHEAD
 from pdspec.config import node_options, node_parser, request_limits, speculative_config
 from pdspec.logs import setup_logging
 from pdspec.serving import serve_until_signal
@@ -26,6 +26,13 @@ def build_parser():
         choices=ASYNC_SCHEDULING,
         help="queue a step without speculation before the one before it is read, so the host prepares it while "
         "the GPU runs (auto: on a GPU)",
+    )
+    parser.add_flag(
+        "--speculate-ahead",
+        default="off",
+        choices=SPECULATE_AHEAD,
+        help="with async scheduling, queue greedy prompt-lookup steps that speculate too, each drafting on the "
+        "context the step in flight would leave if it accepted all its drafts",
     )
     parser.add_flag(
         "--adaptive-k",
@@ -77,6 +84,7 @@ def engine_config(args) -> DecodeConfig:
         sampler_backend=args.sampler_backend,
         device=args.device,
         async_scheduling=args.async_scheduling,
+        speculate_ahead=args.speculate_ahead,
         preempt_after_steps=args.preempt_after_steps,
         pause_backlog=args.pause_backlog,
     )

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.adaptive import StepCosts
-from engine.options import ASYNC_SCHEDULING
+from engine.options import ASYNC_SCHEDULING, SPECULATE_AHEAD
 from engine.spec_config import SpeculativeConfig
 
 
@@ -21,6 +21,10 @@ class DecodeConfig:
     sampler_backend: str = "auto"
     device: str = "cpu"
     async_scheduling: str = "auto"  # on | off | auto (on where the device is a GPU)
+    # on: greedy prompt-lookup rows speculate in queued steps too, wherever async scheduling
+    # queues steps (decode_node/engine.py `_ahead`); off (the default): they speculate in
+    # synchronous steps
+    speculate_ahead: str = "off"
     step_costs: StepCosts | None = None  # adaptive K's cost table; None: measured at start-up (calibrate)
     # Fairness (decode_node/fairness.py): a running request that has held its slot this many steps
     # while others wait for one is preempted (0: never); a stream whose client has not read this
@@ -32,6 +36,8 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise ValueError(f"async_scheduling: expected one of {ASYNC_SCHEDULING}, got {self.async_scheduling!r}")
+        if self.speculate_ahead not in SPECULATE_AHEAD:
+            raise ValueError(f"speculate_ahead: expected one of {SPECULATE_AHEAD}, got {self.speculate_ahead!r}")
         if self.preempt_after_steps < 0:
             raise ValueError(f"preempt_after_steps: expected >= 0, got {self.preempt_after_steps}")
         if self.pause_backlog < 0:

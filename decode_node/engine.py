@@ -6,11 +6,12 @@ memory): such a request's target KV is reserved in arrival order, the servicer w
 bytes straight into it, and the request is admitted once they are all in. Each step admits
 what fits (slots and KV blocks), asks the speculation policy (engine/spec_policy.py) what to
 run, and runs it for every active sequence: the speculative step of engine/spec_step.py, or,
-with async scheduling (on a GPU by default), a K = 0 step queued before the step before it is
-read (`spec_step.queue_plain`; docs/design.md §9 "Async scheduling"). A row that finished in
-step n also ran in a queued step n+1: that token is dropped, and its KV is freed once step
-n+1 is read. Emitted tokens go to the request's event queue; the servicer streams them. Paused
-readers and preemption (KV recomputed when resumed) keep waits bounded: decode_node/fairness.py.
+with async scheduling (on a GPU by default), a step queued before the step before it is read
+(`spec_step.queue`: K = 0, or greedy prompt-lookup rows drafting ahead; docs/design.md §9 "Async
+scheduling"). A row that finished in step n also ran in a queued step n+1: that token is
+dropped, and its KV is freed once step n+1 is read. Emitted tokens go to the request's event
+queue; the servicer streams them. Paused readers and preemption (KV recomputed when resumed)
+keep waits bounded: decode_node/fairness.py.
 """
 
 from __future__ import annotations
@@ -37,17 +38,28 @@ from pdspec.metrics import NodeMetrics
 from protos.validation import DecodeInput
 from sampling import Verifier
 from sampling.logprobs import TokenLogprob
-from sampling.proposal import PREFILL, Proposal
+from sampling.proposal import LOOKUP, PREFILL, Proposal
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _InFlight:
-    """An async-scheduled step queued on the device, not yet read: its rows' requests."""
+    """An async-scheduled step queued on the device, not yet read: its rows' requests, and what
+    each row's drafts assumed of the step before it (`_Guess`; None: nothing, it knew its context)."""
 
     requests: list[Request]
     queued: spec_step.Queued
+    guesses: list[_Guess | None]
+
+
+@dataclass(frozen=True)
+class _Guess:
+    """A row drafting ahead of its step in flight assumed that step accepts `accepted` of its
+    drafts and then emits `token`: the context its drafts continue."""
+
+    accepted: int
+    token: int
 
 
 class DecodeEngine:
@@ -70,13 +82,17 @@ class DecodeEngine:
         self.proposer = proposer or proposer_for(pair, config.spec, config.device)
         self.grammars = grammar.Grammars.for_pair(pair)  # structured outputs (compiled on submitting threads)
         costs = config.step_costs or StepCosts((1.0,) * (config.spec.max_speculative_tokens + 1))
-        self.policy = SpecPolicy(config.spec, self.proposer, costs, self.pipelined)
+        ahead = self.pipelined and config.speculate_ahead == "on"
+        self.policy = SpecPolicy(config.spec, self.proposer, costs, self.pipelined, ahead)
         self.fairness = Fairness(config.max_batch, config.preempt_after_steps, config.pause_backlog, metrics)
         self._lock = threading.Condition()
         self._pending: list[Request] = []
         self._active: list[Request] = []
         self._outbox: list[tuple[Request, Event]] = []  # events made, not yet handed to their streams (step)
         self._inflight: _InFlight | None = None  # async scheduling: the step queued and not yet read
+        # a row whose step in flight drafted on a context that proved wrong (its guess of the step
+        # before): its next step assumes that step accepts nothing
+        self._misguessed: set[Request] = set()
         self._running = False
         self._thread: threading.Thread | None = None
 
@@ -270,8 +286,9 @@ class DecodeEngine:
             return False
         try:
             hold = bool(live) and self.policy.hold([r.seq for r in live], {r.seq for r in unread})
-            if hold and self.pipelined:
-                self._launch(live)
+            ahead = bool(live) and not hold and self.policy.ahead([r.seq for r in live])
+            if (hold or ahead) and self.pipelined:
+                self._launch(live, speculate=ahead)
             else:
                 self._drain()
                 live = [r for r in live if not r.cancelled.is_set()]  # those that finished in it are out
@@ -321,6 +338,7 @@ class DecodeEngine:
         if seq.target_state is not None:
             self.pair.target.release(seq.target_state)
             seq.target_state = None
+        self._misguessed.discard(request)
         self.proposer.stop(seq)
         if not preempted:
             self.policy.forget(seq)
@@ -374,26 +392,63 @@ class DecodeEngine:
             self.policy.verified(seq, proposal.source, proposal.depth, len(row.emitted) - 1)
             self._advance(request, row.emitted, row.logprobs)
 
-    def _launch(self, requests: list[Request]) -> None:
-        """Queue a K = 0 step for `requests` (async scheduling), then read the step before it."""
+    def _launch(self, requests: list[Request], speculate: bool = False) -> None:
+        """Queue a step for `requests` (async scheduling), then read the step before it: K = 0, or,
+        `speculate`, each greedy row drafting ahead of its step in flight (`_ahead`)."""
         previous = self._inflight
         carried = {} if previous is None else {r: i for i, r in enumerate(previous.requests)}
         seqs = [r.seq for r in requests]
+        drafts, guesses = [[] for _ in requests], [None] * len(requests)
+        if speculate:
+            drafts, guesses = self._ahead(requests, previous, carried)
         for seq in seqs:
-            seq.received = None  # a first step held at K = 0 drops what it received
-        queued = spec_step.queue_plain(
+            seq.received = None  # a first step held at K = 0 drops what it received (or drafted it ahead)
+        queued = spec_step.queue(
             self.pair.target,
             self.verifier,
             seqs,
+            drafts,
             [carried.get(r) for r in requests],
-            None if previous is None else previous.queued.tokens,
+            None if previous is None else previous.queued,
             self.config.device,
         )
-        self._inflight = _InFlight(requests, queued)
+        self._inflight = _InFlight(requests, queued, guesses)
         if previous is None:
             self._deliver()  # queued, and no step before to wait for: the streams run now
         else:
             self._read(previous)  # which delivers before it waits
+
+    def _ahead(
+        self, requests: list[Request], previous: _InFlight | None, carried: dict[Request, int]
+    ) -> tuple[list[list[int]], list[_Guess | None]]:
+        """Each row's drafts for a step queued before its step in flight is read, and what they
+        assume of that step. A row new to the batch knows its context and drafts its match (on
+        a first step, the prefill's proposal is that same match, dropped). A row in flight
+        continues its context as that step would leave it if it accepted all its drafts (or
+        none, where those drafts continued a context that proved wrong): that context's match
+        guesses the token the step emits, and the match of the context with that token after it
+        gives the drafts (where the text repeats itself, a run as long as the row's K, not what
+        is left of the context after the occurrence). Where the guess fails the drafts are
+        rejected: the tokens stay the target's, only the drafts are lost."""
+        found: list[list[int]] = []
+        guesses: list[_Guess | None] = []
+        for request in requests:
+            seq, at = request.seq, carried.get(request)
+            room = min(request.kv_need - len(seq.target_state.tokens), seq.remaining) - 1  # drafts that fit
+            if not seq.k or not seq.params.is_greedy or room <= 0:
+                found.append([])
+                guesses.append(None)
+            elif at is None:
+                found.append(seq.lookup.match(min(seq.k, room))[0])
+                guesses.append(None)
+            else:
+                tail = [] if request in self._misguessed else previous.queued.drafts[at]
+                room -= len(tail) + 1  # the tokens the step in flight emits, as guessed
+                token = seq.lookup.match(1, tail)[0] if room > 0 else []
+                found.append(seq.lookup.match(min(seq.k, room), [*tail, *token])[0] if token else [])
+                guesses.append(_Guess(len(tail), token[0]) if token else None)
+        depths = self.policy.ahead_depths([r.seq for r in requests], [len(d) for d in found])
+        return [d[:k] for d, k in zip(found, depths, strict=True)], guesses
 
     def _drain(self) -> None:
         """Read the step in flight, if any."""
@@ -404,18 +459,43 @@ class DecodeEngine:
     def _read(self, step: _InFlight) -> None:
         """Wait for an async-scheduled step's tokens and emit them (to the outbox, which goes to the
         streams before the engine's next wait). A row that left meanwhile (finished in the step
-        before, or cancelled) drops its token."""
+        before, or cancelled) drops its tokens. A row that drafted keeps the drafts it accepted:
+        its target state drops the others, and the step queued after it, which the device moved
+        back already (`spec_step.queue`'s shift), is where the host now puts it too."""
         self._deliver()  # the GPU has the next step queued: the streams take the GIL while the host waits
-        tokens = step.queued.copy.wait().tolist()
-        for request, token, slot in zip(step.requests, tokens, step.queued.slots, strict=True):
+        emitted = step.queued.host()
+        after = self._inflight
+        following = {} if after is None else {r: i for i, r in enumerate(after.requests)}
+        for request, tokens, slot, drafts in zip(
+            step.requests, emitted, step.queued.slots, step.queued.drafts, strict=True
+        ):
             if request.cancelled.is_set():
                 continue
             seq = request.seq
-            seq.target_state.tokens[slot] = seq.history[-1]  # what the step fed: read by now
-            if seq.k:  # a row that may speculate, held at K = 0 (no match, or the batch gate)
-                self._chose(seq, 0)
-                self.policy.ran_plain(seq)
-            self._advance(request, [token], [])
+            state = seq.target_state
+            state.tokens[slot] = seq.history[-1]  # what the step fed: read by now
+            rejected = len(drafts) - (len(tokens) - 1)
+            if rejected:
+                del state.tokens[slot + 1 + len(tokens) - 1 : slot + 1 + len(drafts)]
+                state.kv.length -= rejected
+                if request in following:
+                    after.queued.slots[following[request]] -= rejected
+            misguessed = request in self._misguessed
+            self._misguessed.discard(request)
+            if request in following:  # the drafts queued after this step assumed it ended so
+                ahead = after.guesses[following[request]]
+                if ahead is not None and (ahead.accepted != len(tokens) - 1 or ahead.token != tokens[-1]):
+                    self._misguessed.add(request)
+            if seq.k:
+                self._chose(seq, len(drafts))
+                if drafts:  # verified drafts count, whatever context they continued
+                    proposal = Proposal(drafts, list(range(-1, len(drafts) - 1)), None, LOOKUP)
+                    self._record(seq, proposal, spec_step.Verified(tokens, list(range(len(tokens) - 1)), False, []))
+                if drafts and not misguessed:
+                    self.policy.verified(seq, LOOKUP, len(drafts), len(tokens) - 1)
+                else:  # a K = 0 row (no match, or the batch gate), or drafts whose guess failed: no
+                    self.policy.ran_plain(seq)  # observation of what prompt lookup proposes
+            self._advance(request, tokens, [])
 
     def _chose(self, seq: Sequence, depth: int) -> None:
         seq.stats.chosen_k[depth] += 1

@@ -40,16 +40,24 @@ QUEUED = 8  # K = 0 steps queued back to back when timing a pipelined K = 0 step
 @dataclass(frozen=True)
 class StepCosts:
     """What a step costs, in K = 0 steps: verify[k] for k drafts per row (verify[0] = 1),
-    `depth` per draft-model depth (prompt lookup drafts for free), and `sync`, a K = 0 step
-    read back before the next is queued (1 without async scheduling, where every step is)."""
+    `depth` per draft-model depth (prompt lookup drafts for free), `sync`, a K = 0 step read
+    back before the next is queued (1 without async scheduling, where every step is), and
+    ahead[k], a verify of k drafts queued before the step in flight is read, as a greedy
+    prompt-lookup row speculates with async scheduling (empty: as `verify`)."""
 
     verify: tuple[float, ...]
     depth: float = 0.0
     sync: float = 1.0
+    ahead: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.verify or any(c <= 0 for c in self.verify) or self.depth < 0 or self.sync < 1:
+        if not self.verify or any(c <= 0 for c in (*self.verify, *self.ahead)) or self.depth < 0 or self.sync < 1:
             raise ValueError(f"step costs: expected positive verify costs, depth >= 0 and sync >= 1, got {self}")
+
+    def drafting_ahead(self) -> StepCosts:
+        """The table of a row that drafts ahead of its step in flight: its verify is queued, no
+        step is read back before it."""
+        return StepCosts(self.ahead or self.verify, self.depth)
 
     def of(self, k: int, drafted: bool) -> float:
         verify = self.verify[min(k, len(self.verify) - 1)]
@@ -61,13 +69,14 @@ class StepCosts:
         verify_step: Callable[[int], None],
         draft_depth: Callable[[], None] | None,
         max_k: int,
-        queued_steps: Callable[[int], None] | None = None,
+        queued_steps: Callable[[int, int], None] | None = None,
     ) -> StepCosts:
         """Time `verify_step(k)` (one target pass of k+1 tokens and its verification, read back)
         for k in 0..max_k and `draft_depth()` (one draft forward), best of a few runs each,
         relative to a K = 0 step: `verify_step(0)`, or with async scheduling a share of
-        `queued_steps(n)` (n K = 0 steps queued back to back and read once), which is what a
-        K = 0 step costs there — a speculating step is read before the next is queued."""
+        `queued_steps(n, 0)` (n K = 0 steps queued back to back and read once), which is what a
+        K = 0 step costs there — a synchronous speculating step is read before the next is
+        queued; and there `queued_steps(n, k)`, n verifies of k drafts queued so, for `ahead`."""
 
         def best(fn: Callable[[], None]) -> float:
             fn()  # warm-up: first-use allocation, graph capture, kernel compilation
@@ -79,13 +88,23 @@ class StepCosts:
             return min(times)
 
         step = [best(lambda k=k: verify_step(k)) for k in range(max_k + 1)]
-        base = step[0] if queued_steps is None else min(step[0], best(lambda: queued_steps(QUEUED)) / QUEUED)
+        base = step[0] if queued_steps is None else min(step[0], best(lambda: queued_steps(QUEUED, 0)) / QUEUED)
         depth = best(draft_depth) / base if draft_depth is not None else 0.0
-        # A verify never costs less than the step it replaces: timer noise would bias K upwards.
-        verify = [1.0] + [max(1.0, t / base) for t in step[1:]]
-        for k in range(2, len(verify)):
-            verify[k] = max(verify[k], verify[k - 1])
-        return cls(tuple(verify), depth, max(1.0, step[0] / base))
+        ahead = ()
+        if queued_steps is not None:
+            ahead = _costs(
+                [base, *(best(lambda k=k: queued_steps(QUEUED, k)) / QUEUED for k in range(1, max_k + 1))], base
+            )
+        return cls(_costs(step, base), depth, max(1.0, step[0] / base), ahead)
+
+
+def _costs(times: list[float], base: float) -> tuple[float, ...]:
+    """Times of verifies of 0.. drafts as costs relative to `base`: never below a K = 0 step's
+    nor a verify of fewer drafts (timer noise would bias K upwards)."""
+    costs = [1.0]
+    for t in times[1:]:
+        costs.append(max(1.0, t / base, costs[-1]))
+    return tuple(costs)
 
 
 class AdaptiveK:
@@ -327,7 +346,7 @@ def calibrate(target: CausalLM, draft: CausalLM | None, verifier: Verifier, max_
     (none without a draft), relative to a K = 0 step read back or, `queued` (async scheduling),
     queued back to back. Every state it makes is released."""
     context = 32
-    runs = 6 * (max_k + 2) + 6 * QUEUED  # the tokens the timed steps add
+    runs = 12 * (max_k + 2) + QUEUED * (max_k + 1)  # the tokens the timed runs add, and a queued run's chains
     prompt = [i % target.vocab_size for i in range(context)]
     params, rng = SamplingParams(), RequestRng(0, stream="calibrate")
     states = []
@@ -345,9 +364,11 @@ def calibrate(target: CausalLM, draft: CausalLM | None, verifier: Verifier, max_
             verify(target.extend_tree([state], [[1] * (k + 1)], [list(range(-1, k))]), k).host()
             target.accept_tree(state, [0])  # one token kept per run: the state grows by one
 
-        def queued_steps(n: int) -> None:
-            results = [verify(target.extend_batch([state], [[1]]), 0) for _ in range(n)]
+        def queued_steps(n: int, k: int) -> None:  # chains of k drafts queued, the last read
+            length = len(state.tokens)
+            results = [verify(target.extend_batch([state], [[1] * (k + 1)]), k) for _ in range(n)]
             results[-1].host()
+            target.truncate(state, length + 1)  # one token kept per run: the state grows by one
 
         depth = None
         if draft is not None:

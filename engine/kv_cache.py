@@ -210,6 +210,56 @@ def batch_meta(
     return BatchMeta(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
 
 
+@dataclass(frozen=True)
+class Shift:
+    """Rows of a chain forward that sit `by[r]` (<= 0) positions before where the host put
+    them: the step queued before it drafted a chain whose verification the host has not read
+    yet, and assumed every draft accepted (decode_node/engine.py). The host built the forward's
+    metadata at those assumed lengths; `apply` moves each row's tokens back on the device, so
+    no host wait comes between the two steps. The keys past a row's true length were listed at
+    the assumed lengths and are now masked; every key below it sits where the host listed it
+    (a slot is a function of its position alone)."""
+
+    by: torch.Tensor  # [R] int64 on the device, <= 0: the real rows' moves, in batch order
+    tables: torch.Tensor  # [R, B] int64 on the device: each row's block table (0 past its blocks)
+    rows: torch.Tensor  # [N] int64 on the device: the row of each real token
+    queries: torch.Tensor  # [N] int64 on the device: its query index within the row
+    at: torch.Tensor  # [N] int64 on the device: where the token sits in the flattened inputs
+
+    @classmethod
+    def build(
+        cls, by: torch.Tensor, seqs: Sequence[PagedSeq], lengths: Sequence[int], at: torch.Tensor | None
+    ) -> Shift:
+        """`at` [N] host: each real token's place in the inputs (a graph bucket's padded
+        layout), None: flattened in row order. One host -> device copy."""
+        rows = np.repeat(np.arange(len(lengths)), lengths)  # [N]
+        queries = np.concatenate([np.arange(n) for n in lengths])  # [N]
+        tables = np.zeros((len(seqs), max(len(s.blocks) for s in seqs)), dtype=np.int64)  # [R, B]
+        for r, seq in enumerate(seqs):
+            tables[r, : len(seq.blocks)] = seq.blocks
+        places = np.arange(len(rows)) if at is None else at.numpy()
+        packed = to_device(torch.from_numpy(np.concatenate([rows, queries, places, tables.reshape(-1)])), by.device)
+        n = len(rows)
+        return cls(by, packed[3 * n :].view(tables.shape), packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n])
+
+    def apply(
+        self, positions: torch.Tensor, seq_lens: torch.Tensor, meta: BatchMeta, block_size: int, window: int | None
+    ) -> None:
+        """Move the tokens' positions, row lengths, new slots, key counts and causal masks (a
+        chain's: no tree masks) by `by`, in place."""
+        move = self.by[self.rows]  # [N]
+        moved = positions[self.at] + move
+        positions[self.at] = moved
+        seq_lens[self.at] += move
+        meta.new_slots[self.at] = self.tables[self.rows, moved // block_size] * block_size + moved % block_size
+        meta.key_count[: len(self.by)] += self.by
+        keys = torch.arange(meta.mask.shape[-1], device=moved.device)  # [W]
+        allowed = keys[None, :] <= moved[:, None]  # [N, W]: causal within the row's live keys
+        if window is not None:
+            allowed &= moved[:, None] - keys[None, :] < window
+        meta.mask[self.rows, 0, self.queries] = allowed
+
+
 @dataclass
 class PagedBatch:
     """A `KvStore` (models/llama.py) for one ragged forward over paged sequences: writes

@@ -8,6 +8,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "sdpa")  # engine/paged_lm.py: attention
 SPECULATIVE_METHODS = ("draft", "prompt-lookup", "hybrid", "eagle")  # engine/proposers.py: proposer_for
 ADAPTIVE_K = ("auto", "on", "off")  # engine/spec_config.py: SpeculativeConfig.adaptive
 ASYNC_SCHEDULING = ("auto", "on", "off")  # decode_node/engine.py: DecodeConfig.pipelined
+SPECULATE_AHEAD = ("off", "on")  # decode_node/config.py: DecodeConfig.speculate_ahead
 # Tokens per row of a forward replayed from a CUDA graph (engine/paged_lm.py), at most: the
 # verify pass of the largest tree
 MAX_GRAPH_QUERIES = MAX_TREE_NODES + 1

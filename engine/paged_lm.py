@@ -23,7 +23,7 @@ import torch
 from common.graphs import bucket, capture_graph
 from common.transfer import HostCopy, pinned, shared_tensor, to_device, to_host_async
 from engine.device import on_device, serve_attention_without_cudnn
-from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, batch_meta
+from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, Shift, batch_meta
 from engine.options import ATTENTION_BACKENDS, MAX_GRAPH_QUERIES
 from models.base import (
     CausalLM,
@@ -261,10 +261,13 @@ class PagedLlamaLM(ChunkedImport):
         parents: Sequence[Sequence[int]] | None = None,
         device_tokens: torch.Tensor | None = None,
         after_layer=None,
+        shift: torch.Tensor | None = None,
     ):
         """device_tokens [sum of lengths] int64: the tokens' values, already on the device (ids
         then only give the lengths, and their values are what the states record). after_layer(i):
-        called when layer i's KV is in the pool (an eager forward)."""
+        called when layer i's KV is in the pool (an eager forward). shift [R] int64 on the device
+        (chains only): each row's tokens sit shift[r] <= 0 positions before where its state's
+        length puts them (engine/kv_cache.Shift)."""
         lengths = [len(row) for row in ids]
         seqs = [s.kv for s in states]
         for seq, n in zip(seqs, lengths, strict=True):
@@ -275,23 +278,29 @@ class PagedLlamaLM(ChunkedImport):
             torch.tensor([t for row in ids for t in row], dtype=torch.int64) if device_tokens is None else device_tokens
         )
         positions, seq_lens, masks = meta.positions, meta.seq_lens, meta.masks
+        if shift is not None and (masks is not None and any(m is not None for m in masks)):
+            raise ValueError("shift: expected chains, got tree masks")
         dense = len(set(lengths)) == 1  # every row brings as many tokens
         graphed = self.graphs and not last_only and after_layer is None
         key = self._graph_key(seqs, lengths) if graphed else None
         with torch.inference_mode():
             if key is not None:
-                replayed = self._replay(key, seqs, lengths, tokens, positions, seq_lens, masks)
+                replayed = self._replay(key, seqs, lengths, tokens, positions, seq_lens, masks, shift)
                 logits = keep_row_features(states, lengths, replayed)
             else:
                 meta = batch_meta(self.pool, seqs, lengths, window, tree_masks=masks).to(self.device)
                 logits_at = to_device(torch.tensor(lengths).cumsum(0) - 1, self.device) if last_only else None
+                positions, seq_lens = to_device(positions, self.device), to_device(seq_lens, self.device)
+                if shift is not None:
+                    moved = Shift.build(shift, seqs, lengths, None)
+                    moved.apply(positions, seq_lens, meta, self.pool.block_size, window)
                 out = self.module(
                     to_device(tokens, self.device),
-                    to_device(positions, self.device),
+                    positions,
                     self._store(meta, dense),
                     logits_at=logits_at,
                     num_layers=self.num_layers,
-                    seq_lens=to_device(seq_lens, self.device),
+                    seq_lens=seq_lens,
                     ops=self.ops,
                     after_layer=after_layer,
                     features_at=self.feature_layers,
@@ -331,9 +340,10 @@ class PagedLlamaLM(ChunkedImport):
             return rows, longest, width
         return None
 
-    def _replay(self, key, seqs, lengths, tokens, positions, seq_lens, masks) -> torch.Tensor:
+    def _replay(self, key, seqs, lengths, tokens, positions, seq_lens, masks, shift=None) -> torch.Tensor:
         """The forward of a batch through the graph `key` (captured on first use), its rows
-        padded to the key's shape (`pad_rows`); the outputs of the real tokens, flattened."""
+        padded to the key's shape (`pad_rows`), moved by `shift` on the device once its inputs
+        are filled; the outputs of the real tokens, flattened."""
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = self._capture(*key)
@@ -358,6 +368,10 @@ class PagedLlamaLM(ChunkedImport):
             pad_rows(seq_lens, place, size, fill=1),
             meta,
         )
+        if shift is not None:
+            Shift.build(shift, seqs, lengths, place).apply(
+                graph.positions, graph.seq_lens, graph.meta, self.pool.block_size, self.config.sliding_window
+            )
         graph.graph.replay()
         logits = graph.logits.index_select(0, at).float()  # a copy: the next replay reuses the buffer
         if graph.features is None:
@@ -434,12 +448,24 @@ class PagedLlamaLM(ChunkedImport):
         return self._run([state], [list(ids)])
 
     def extend_batch(
-        self, states: Sequence[State], ids: Sequence[Sequence[int]], device_tokens: torch.Tensor | None = None
+        self,
+        states: Sequence[State],
+        ids: Sequence[Sequence[int]],
+        device_tokens: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """All rows in ONE forward (flattened ragged tokens); rows with no new ids are left out.
-        device_tokens: as in extend_tree (the decode engine's async steps)."""
+        device_tokens: as in extend_tree (the decode engine's async steps). shift [R] int64 on
+        the device: row r's tokens sit shift[r] <= 0 positions before its state's length (every
+        row brings ids; engine/kv_cache.Shift)."""
+        if shift is not None and not all(ids):
+            raise ValueError("ids: a shifted batch expects ids in every row")
         return live_rows(
-            lambda s, rows, _: self._run(s, rows, device_tokens=device_tokens), states, ids, None, self._empty()
+            lambda s, rows, _: self._run(s, rows, device_tokens=device_tokens, shift=shift),
+            states,
+            ids,
+            None,
+            self._empty(),
         )
 
     def _empty(self) -> torch.Tensor:

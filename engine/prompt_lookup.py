@@ -16,6 +16,8 @@ matching n-grams; that search is a vectorised scan of the context, done only for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 FEW = 8  # new n-grams indexed one by one; more (a prompt) through shifted slices built in C
@@ -59,21 +61,27 @@ class ContextIndex:
             )  # later positions overwrite: most recent wins
         self._indexed = end
 
-    def match(self, k: int) -> tuple[list[int], int]:
+    def match(self, k: int, tail: Sequence[int] = ()) -> tuple[list[int], int]:
         """Up to k tokens following the most recent earlier occurrence of the longest matching
-        suffix, and that suffix's length n (([], 0): no n-gram of the suffix occurred before)."""
+        suffix, and that suffix's length n (([], 0): no n-gram of the suffix occurred before).
+        `tail`: tokens taken to follow the context without being part of it (drafts whose
+        verification is still on the device): the suffix and the continuation read the context
+        and then them, the occurrences are the indexed context's."""
         if k <= 0:
             return [], 0
         self._index()
-        toks = self.tokens
+        toks, tail = self.tokens, list(tail)
+        size = len(toks) + len(tail)
+        hi = min(self.hi, size - 1)
+        suffix = (toks[-hi:] if hi > len(tail) else []) + tail[-hi:]  # the last hi tokens of both, no copy of the rest
         # Every earlier occurrence of a longer suffix ends with one of the shortest: without that,
         # no n matches (one lookup for the usual step of a row with no match, not one per n).
-        if len(toks) <= self.lo or tuple(toks[-self.lo :]) not in self._last[self.lo]:
+        if size <= self.lo or tuple(suffix[-self.lo :]) not in self._last[self.lo]:
             return [], 0
-        for n in range(min(self.hi, len(toks) - 1), self.lo - 1, -1):
-            end = self._last[n].get(tuple(toks[-n:]))
-            if end is not None:
-                return toks[end + 1 : end + 1 + k], n
+        for n in range(hi, self.lo - 1, -1):
+            end = self._last[n].get(tuple(suffix[-n:]))
+            if end is not None:  # end < len(toks) - 1: the continuation starts in the context
+                return (toks[end + 1 : end + 1 + k] + tail)[:k], n
         return [], 0
 
     def candidates(self, k: int, count: int) -> list[list[int]]:

@@ -37,7 +37,7 @@ from engine.sequence import Sequence
 from engine.spec_config import SpeculativeConfig
 from models.base import CausalLM
 from sampling import Verifier
-from sampling.proposal import PREFILL
+from sampling.proposal import LOOKUP, PREFILL
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,13 @@ class StepChoice:
 
 
 class SpecPolicy:
-    def __init__(self, spec: SpeculativeConfig, proposer: Proposer, costs: StepCosts, pipelined: bool) -> None:
+    def __init__(
+        self, spec: SpeculativeConfig, proposer: Proposer, costs: StepCosts, pipelined: bool, ahead: bool = False
+    ) -> None:
         self.spec, self.proposer = spec, proposer
         self.costs = costs  # adaptive K's cost table (engine/adaptive.calibrate at start-up)
         self.pipelined = pipelined  # async scheduling is on
+        self.drafting_ahead = ahead  # greedy prompt-lookup rows may speculate in queued steps (`ahead`)
         # Whether a batch speculates at all, from its measured steps (adaptive K: it prices each row).
         self.gate = BatchGate() if spec.adaptive else None
         # What this node's rows showed lately, all together: the gate prices a row that has shown
@@ -104,7 +107,8 @@ class SpecPolicy:
         speculate."""
         self._gated = None
         self.shown.decay(SHOWN_DECAY)
-        pipelines = self.pipelines(seqs, unread)
+        # a batch that drafts ahead is queued whatever its rows' matches: only the gate holds it
+        pipelines = self.pipelines(seqs, unread) and not self.ahead(seqs)
         gateable = (
             self.gate is not None
             and (len(seqs) > 1 or self._measured)
@@ -136,6 +140,26 @@ class SpecPolicy:
             return False
         return all(s.plain or self._idle(s, s in unread) for s in seqs)
 
+    def ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether a step that speculates can be queued before the step in flight is read, its rows
+        drafting ahead (decode_node/engine.py `_ahead`): with async scheduling, for a proposer
+        that drafts point-mass chains from the context alone (prompt lookup), where every row
+        needs nothing but its tokens back and every row that may draft is greedy (a sampled
+        row's coupling needs its position, which a step drafting ahead leaves on the device);
+        never with `--speculate-ahead off`."""
+        return self.drafting_ahead and all(s.plain or self._drafts_ahead(s) for s in seqs)
+
+    def ahead_depths(self, seqs: list[Sequence], limits: list[int]) -> list[int]:
+        """Each row's K in a step drafting ahead, of the `limits[r]` drafts its match offers: what
+        adaptive K pays for (admitted by the step's floor where the gate let it speculate), or
+        all of them."""
+        depths, ahead = [], self.costs.drafting_ahead()
+        for seq, limit in zip(seqs, limits, strict=True):
+            adaptive = self._rows[seq].adaptive
+            depths.append(limit if adaptive is None or not limit else self._depth(adaptive, LOOKUP, limit, ahead))
+        self._drafted = sum(depths)
+        return depths
+
     def choose(self, seqs: list[Sequence], hold: bool) -> StepChoice:
         """A synchronous step's drafting: each row past its first step proposes the K its running
         acceptance pays for (adaptive K) or its own K; nothing when the step is held (`hold`). In
@@ -160,10 +184,11 @@ class SpecPolicy:
         self.costs = calibrate(target, draft, verifier, self.spec.max_speculative_tokens, self.pipelined)
         self._measured = True
         log.info(
-            "adaptive K step costs: verify %s, draft depth %.2f, K = 0 read back %.2f",
+            "adaptive K step costs: verify %s, draft depth %.2f, K = 0 read back %.2f, verify queued ahead %s",
             self.costs.verify,
             self.costs.depth,
             self.costs.sync,
+            self.costs.ahead,
         )
         return self.costs
 
@@ -222,9 +247,10 @@ class SpecPolicy:
         shown = self.shown.rates(source)
         return row.adaptive.expected(source, row.adaptive.admitted(source, k, self._floor, shown), shown)
 
-    def _depth(self, adaptive: AdaptiveK, source: str, limit: int) -> int:
-        """A row's K: what adaptive K pays for, of which this step's floor admits the first ones."""
-        k = adaptive.choose(source, limit, self.costs)
+    def _depth(self, adaptive: AdaptiveK, source: str, limit: int, costs: StepCosts | None = None) -> int:
+        """A row's K: what adaptive K pays for (at `costs`, the node's table unless given), of
+        which this step's floor admits the first ones."""
+        k = adaptive.choose(source, limit, costs or self.costs)
         return adaptive.admitted(source, k, self._floor, self.shown.rates(source)) if self._floor else k
 
     def _batch_free(self, seq: Sequence) -> bool:
@@ -252,6 +278,22 @@ class SpecPolicy:
         plan = self.proposer.plan([seq], [seq.k])[0]
         if row.adaptive is None:
             return plan.limit > 0
-        k = row.adaptive.choose(plan.source, plan.limit, self.costs) if plan.limit else 0
+        ahead = self._drafts_ahead(seq)
+        costs = self.costs.drafting_ahead() if ahead else self.costs
+        k = row.adaptive.choose(plan.source, plan.limit, costs) if plan.limit else 0
         row.planned = plan.source, k
-        return k > 0 and (not self.pipelined or row.adaptive.pays_to_wait(plan.source, k, self.costs))
+        if not self.pipelined or ahead:  # no wait for the step in flight
+            return k > 0
+        return k > 0 and row.adaptive.pays_to_wait(plan.source, k, self.costs)
+
+    def _drafts_ahead(self, seq: Sequence) -> bool:
+        """Whether the row may draft in a step queued before its step in flight is read (`ahead`)."""
+        return (
+            self.drafting_ahead
+            and self.proposer.match_driven
+            and bool(seq.k)
+            and not seq.logprobs
+            and seq.grammar is None
+            and seq.params.is_greedy
+            and seq.candidates == 1
+        )

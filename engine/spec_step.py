@@ -11,10 +11,11 @@
    other node's KV is dropped.
 The scheduler then appends the emitted tokens to the sequences (`Sequence.append`).
 
-`queue_plain` is the K = 0 step of async scheduling: queued on the device before the step
-before it is read, its input tokens that step's sampled tokens, still on the device; its
-positions and KV slots are known without them (every row gains exactly one token), so the host
-builds step n+1 while the device runs step n.
+`queue` is the step of async scheduling: queued on the device before the step before it is
+read, each row's first input token that step's last emitted one, still on the device, then any
+drafts the row made ahead of it (point-mass chains). Its positions and KV slots are built on the
+host as if the step in flight accepted all its drafts, and moved back on the device by what it
+rejected (`engine/kv_cache.Shift`), so the host builds step n+1 while the device runs step n.
 
 Terms: a row EMITS its accepted drafts plus one token (the correction at the first rejection,
 or the bonus after the last draft); `path` lists the accepted nodes.
@@ -27,13 +28,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from common.transfer import HostCopy, to_device, to_host_async
+from common.transfer import HostCopy, shared_tensor, to_device, to_host_async
 from engine.grammar import guide, jump_forward
 from engine.proposer import Plan, Proposer
 from engine.sequence import Sequence
 from models.base import CausalLM
 from sampling import NO_PROPOSAL, Proposal, Verifier, VerifyBatch
 from sampling.logprobs import TokenLogprob, token_logprobs
+from sampling.proposal import LOOKUP
 
 
 def propose(
@@ -121,40 +123,76 @@ UNREAD = -1  # a target state's token whose value is still on the device (async 
 
 @dataclass(frozen=True)
 class Queued:
-    """A K = 0 step queued on the device, not yet read."""
+    """A step queued on the device, not yet read (async scheduling)."""
 
-    tokens: torch.Tensor  # [B] int64 on the device: each row's sampled token, the next step's input
-    copy: HostCopy  # the same tokens on their way to the host
-    slots: list[int]  # where each row's fed token sits in its target state's tokens (UNREAD until read)
+    tokens: torch.Tensor  # [B] int64 on the device: each row's last emitted token, the next step's first input
+    shift: torch.Tensor | None  # [B] int64 on the device: accepted - drafted (<= 0); None: no row drafted
+    copy: HostCopy  # [B, K+2] int64 on its way to the host: the emitted tokens (-1 after), then their count
+    slots: list[int]  # where each row's first fed token sits in its target state's tokens (UNREAD until read)
+    drafts: list[list[int]]  # each row's drafts, verified by this step
+
+    def host(self) -> list[list[int]]:
+        """Each row's emitted tokens: the host waits for the step here."""
+        packed = self.copy.wait().tolist()
+        return [row[: row[-1]] for row in packed]
 
 
-def queue_plain(
+def queue(
     target: CausalLM,
     verifier: Verifier,
     seqs: list[Sequence],
+    drafts: list[list[int]],
     carried: list[int | None],
-    earlier: torch.Tensor | None,
+    earlier: Queued | None,
     device: torch.device | str,
 ) -> Queued:
-    """Queue one K = 0 step of every row, nothing read back. Row r feeds the token the step in
-    flight sampled for it at carried[r] of `earlier` ([B'] int64 on the device), or, new to the
-    batch (None), its last history token."""
+    """Queue one step of every row, nothing read back. Row r feeds the token the step in flight
+    emitted last for it (its row carried[r] of `earlier`), or, new to the batch (None), its last
+    history token; then drafts[r], a chain of point masses (prompt lookup drafting ahead of the
+    step in flight: any tokens at all, since the verifier is exact for any point mass, the
+    drafts of a wrong guess are rejected). Where `earlier` drafted, its rows' tokens go back by
+    what it rejected, on the device (`shift`). A sampled row drafts only where its position is
+    known (its step in flight drafted nothing): it is verified by coupling at that position."""
     fresh = [r for r, at in enumerate(carried) if at is None]
-    width = 0 if earlier is None else len(earlier)
-    where = {r: width + i for i, r in enumerate(fresh)}  # row -> its token in cat(earlier, the fresh rows' tokens)
+    width = 0 if earlier is None else len(earlier.tokens)
+    where = {r: width + i for i, r in enumerate(fresh)}  # row -> its token in cat(earlier's, the fresh rows')
     index = [where[r] if at is None else at for r, at in enumerate(carried)]
-    packed = torch.tensor([*index, *(seqs[r].history[-1] for r in fresh)], dtype=torch.int64)  # one copy for both
-    packed = to_device(packed, device)
-    earlier = packed[:0] if earlier is None else earlier
-    tokens = torch.cat([earlier, packed[len(seqs) :]])[packed[: len(seqs)]]  # [B] int64
-    states = [s.target_state for s in seqs]
-    logits = target.extend_batch(states, [[UNREAD]] * len(seqs), device_tokens=tokens)  # no tree
-    slots = [len(state.tokens) - 1 for state in states]
-    positions = [len(s.history) + (at is not None) for s, at in zip(seqs, carried, strict=True)]  # carried: unread
-    no_drafts = VerifyBatch(torch.empty(len(seqs), 0, dtype=torch.int64), positions=positions)
-    result = verifier.verify(
-        no_drafts, torch.stack(logits).to(verifier.device), [s.params for s in seqs], [s.rng for s in seqs]
+    rows, feeds = len(seqs), [1 + len(d) for d in drafts]
+    # the flattened feed, as indices into cat(earlier's tokens, the fresh rows', the drafts)
+    flat = []
+    drafted = width + len(fresh)
+    for r, d in enumerate(drafts):
+        flat.append(index[r])
+        flat.extend(range(drafted, drafted + len(d)))
+        drafted += len(d)
+    packed = torch.tensor(
+        [*index, *flat, *(seqs[r].history[-1] for r in fresh), *(t for d in drafts for t in d)], dtype=torch.int64
     )
-    sampled = result.output_token_ids[:, 0].to(torch.int64)  # [B]: K = 0 emits one token per row
+    packed = to_device(packed, device)  # one copy for the indices and the host's tokens
+    values = packed[rows + len(flat) :]
+    values = values if earlier is None else torch.cat([earlier.tokens, values])  # [B' + fresh + drafts]
+    tokens = values[packed[rows : rows + len(flat)]]  # [sum of feeds] int64
+    shift = None
+    if earlier is not None and earlier.shift is not None:
+        moves = torch.cat([earlier.shift, torch.zeros(len(fresh), dtype=torch.int64, device=earlier.shift.device)])
+        shift = moves[packed[:rows]]  # [B]: a fresh row sits where the host put it
+    states = [s.target_state for s in seqs]
+    logits = target.extend_batch(states, [[UNREAD, *d] for d in drafts], device_tokens=tokens, shift=shift)
+    slots = [len(state.tokens) - n for state, n in zip(states, feeds, strict=True)]
+    # a coupled row's position: its history, and the token in flight (a row in flight drafted nothing there)
+    positions = [len(s.history) + (at is not None) for s, at in zip(seqs, carried, strict=True)]
+    batch = VerifyBatch.build(
+        [Proposal(d, list(range(-1, len(d) - 1)), None, LOOKUP) for d in drafts],
+        positions,
+        target.vocab_size,
+        verifier.device,
+    )
+    result = verifier.verify(batch, logits, [s.params for s in seqs], [s.rng for s in seqs])
+    emitted = result.accepted_token_num.to(torch.int64)  # [B]: 1..K+1
+    last = result.output_token_ids.to(torch.int64).gather(1, (emitted - 1)[:, None])[:, 0]  # [B]
+    shift = None
+    if any(drafts):
+        shift = emitted - 1 - shared_tensor([len(d) for d in drafts], torch.int64, emitted.device)
+    packed = torch.cat([result.output_token_ids.to(torch.int64), emitted[:, None]], 1)  # [B, K+2]
     # its own stream: not behind a KV export's copies (a prefill node in the same process)
-    return Queued(sampled, to_host_async(sampled, purpose="tokens"), slots)
+    return Queued(last, shift, to_host_async(packed, purpose="tokens"), slots, drafts)

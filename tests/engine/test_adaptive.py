@@ -264,7 +264,8 @@ def test_measure_never_lets_noise_make_k_cheaper(monkeypatch):
 
 def test_measure_against_queued_k0_steps(monkeypatch):
     """With async scheduling a K = 0 step is queued behind the one before: its cost is a share
-    of QUEUED steps read once, cheaper than one read back, and every verify is priced against it."""
+    of QUEUED steps read once, cheaper than one read back, and every verify is priced against it;
+    a verify queued ahead (`ahead`) is priced as such a share too."""
     clock = FakeClock()
     monkeypatch.setattr(adaptive, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     per_k = {0: 2.0, 1: 2.2, 2: 2.4}
@@ -273,17 +274,21 @@ def test_measure_against_queued_k0_steps(monkeypatch):
     def verify_step(k: int) -> None:
         clock.now += per_k[k]
 
-    def queued_steps(n: int) -> None:
-        queued.append(n)
-        clock.now += 1.0 * n + 0.8  # 1.0 per queued step, plus one read
+    def queued_steps(n: int, k: int) -> None:
+        queued.append((n, k))
+        clock.now += (1.0 + 0.05 * k) * n + 0.8  # 1.0 per queued K = 0 step and 0.05 per draft, plus one read
 
     costs = StepCosts.measure(verify_step, lambda: setattr(clock, "now", clock.now + 0.5), 2, queued_steps)
-    assert set(queued) == {adaptive.QUEUED}
+    assert set(queued) == {(adaptive.QUEUED, k) for k in range(3)}
     base = 1.0 + 0.8 / adaptive.QUEUED
     assert costs.verify == pytest.approx((1.0, 2.2 / base, 2.4 / base))
+    assert costs.ahead == pytest.approx((1.0, (1.05 + 0.1) / base, (1.1 + 0.1) / base))
+    assert costs.drafting_ahead().verify == costs.ahead and costs.drafting_ahead().sync == 1.0
     assert costs.depth == pytest.approx(0.5 / base)
     assert costs.sync == pytest.approx(2.0 / base)  # a K = 0 step read back
-    assert StepCosts.measure(verify_step, None, 2).sync == 1.0  # no async scheduling: every step is read back
+    plain = StepCosts.measure(verify_step, None, 2)
+    assert plain.sync == 1.0 and plain.ahead == ()  # no async scheduling: every step is read back
+    assert plain.drafting_ahead().verify == plain.verify
 
 
 def test_measure_with_busy_work():

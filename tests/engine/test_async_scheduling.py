@@ -6,6 +6,7 @@ matches. On the CPU (the same code path as a GPU's, with no overlap to gain)."""
 
 from __future__ import annotations
 
+import random
 import threading
 from concurrent import futures
 
@@ -61,6 +62,7 @@ def run(
     max_batch: int = 8,
     preempt_after_steps: int = 0,
     measured: bool = False,
+    ahead: str = "on",
 ):
     """The requests through a prefill engine and a decode engine stepped by hand: per request,
     (tokens, finish reason); `cancel_after` {request: steps} cancels it after that many steps.
@@ -73,6 +75,7 @@ def run(
         spec=SpeculativeConfig(max_speculative_tokens=4, method=method),
         max_batch=max_batch,
         async_scheduling=scheduling,
+        speculate_ahead=ahead,
         preempt_after_steps=preempt_after_steps,
         step_costs=None if measured else StepCosts((1.0, 1.2, 1.3, 1.4, 1.5)),
     )
@@ -96,11 +99,12 @@ def run(
         wire = pdspec_pb2.DecodeRequest.FromString(prefilled.decode_request.SerializeToString())
         first = prefilled.decode_request.first_token_id
         running.append((decode.submit(validate_decode_request(wire, receiver)), [first]))
-    steps, computed, run.pipelined = 0, pair.target.positions_computed, 0
+    steps, computed, run.pipelined, run.ahead = 0, pair.target.positions_computed, 0, 0
     run.stats = [None] * len(running)  # None: ended at the prefill node, never verified
     while decode.load or any(not reason for _, reason in out):
         decode.step()
         run.pipelined += decode._inflight is not None
+        run.ahead += decode._inflight is not None and any(decode._inflight.queued.drafts)
         steps += 1
         assert steps < 500
         for i, (req, tokens) in enumerate(running):
@@ -190,6 +194,77 @@ def test_prompt_lookup_rows_pipeline_while_they_cannot_draft_and_match_the_synch
     assert run.stats[0].prompt_lookup_tokens > 0 and sum(run.stats[0].chosen_k[1:]) > 0  # it did speculate
     plain = run(pair, [request(5, max_new=30)], "off")
     assert sync[1] == plain[0]  # greedy prompt lookup emits the K = 0 tokens
+
+
+def looping(copies: int, k: int = 4, max_new: int = 30, stop=()) -> pdspec_pb2.GenerateRequest:
+    """A greedy request whose prompt repeats a phrase: prompt lookup finds matches from its start."""
+    out = pdspec_pb2.GenerateRequest(prompt_token_ids=[*range(3, 12)] * copies, num_speculative_tokens=k)
+    out.sampling.max_new_tokens = max_new
+    out.sampling.stop_token_ids.extend(stop)
+    return out
+
+
+def test_greedy_prompt_lookup_rows_draft_ahead_of_the_step_in_flight_and_emit_the_synchronous_tokens(pair):
+    """Greedy prompt-lookup rows speculate in steps queued before the step in flight is read,
+    each drafting on the context that step would leave if it accepted all its drafts; the
+    device moves each step back by what the step before rejected. Every row (short budgets,
+    a stop token, a K = 0 row, a row that joins late) gives the synchronous engine's tokens,
+    drafts were accepted and rejected in those steps, and every block comes back (run)."""
+    (tokens, _), *_ = run(pair, [request(7, max_new=20)], "off")
+    requests = [
+        looping(2),
+        request(5, k=4, max_new=30),
+        looping(3, max_new=3),  # its budget ends inside a step's drafts
+        request(7, k=4, max_new=20, stop=[tokens[9]]),
+        request(6, max_new=12),  # K = 0
+        looping(2, k=2, max_new=40),
+    ]
+    sync = run(pair, requests, "off", method="prompt-lookup")
+    ahead = run(pair, requests, "on", method="prompt-lookup")
+    assert ahead == sync and run.ahead > 0
+    stats = [s for s in run.stats if s is not None]
+    assert sum(s.accepted_tokens for s in stats) > 0 and sum(s.draft_tokens - s.accepted_tokens for s in stats) > 0
+    assert sync[3][1] == "stop" and len(sync[2][0]) == 3
+    late = run(pair, requests, "on", method="prompt-lookup", max_batch=2)  # rows join while others are in flight
+    assert late == sync and run.ahead > 0
+    off = run(pair, requests, "on", method="prompt-lookup", ahead="off")  # --speculate-ahead off
+    assert off == sync and run.ahead == 0 and run.pipelined > 0
+
+
+def test_drafting_ahead_with_drafts_right_and_wrong_at_random_keeps_every_greedy_token(pair, monkeypatch):
+    """Prompt lookup replaced by a guesser that knows each row's greedy continuation and gets
+    every draft wrong with probability 0.1 (and guesses at random where the step in flight's
+    guess failed): most steps accept some drafts and reject the rest while the next step is
+    already queued, so the device's moves and the host's drops run step after step. The greedy
+    tokens of K = 0 come out all the same."""
+    from engine.prompt_lookup import ContextIndex
+
+    requests = [request(5 + 2 * i, k=4, max_new=30 + 3 * i) for i in range(4)]
+    truth = {
+        tuple(r.prompt_token_ids): tokens for r, (tokens, _) in zip(requests, run(pair, requests, "off"), strict=True)
+    }
+    rng = random.Random(7)
+
+    def guess(self, k, tail=()):
+        context = [*self.tokens, *tail]
+        prompt = max((p for p in truth if tuple(context[: len(p)]) == p), key=len)  # the prompts nest
+        emitted, greedy = context[len(prompt) :], truth[prompt]
+        right = greedy[: len(emitted)] == emitted
+        cont = [t if right and rng.random() > 0.1 else rng.randrange(2, 90) for t in greedy[len(emitted) :][:k]]
+        return cont, 2 if cont else 0
+
+    monkeypatch.setattr(ContextIndex, "match", guess)
+    ahead = run(pair, requests, "on", method="prompt-lookup")
+    assert [tokens for tokens, _ in ahead] == list(truth.values()) and run.ahead > 8
+    drafted = sum(s.draft_tokens for s in run.stats)
+    assert 0.2 * drafted < sum(s.accepted_tokens for s in run.stats) < 0.8 * drafted
+
+
+def test_rows_cancelled_while_a_step_drafting_ahead_is_in_flight_give_back_their_blocks(pair):
+    requests = [request(5, k=4, max_new=40), looping(2, max_new=40), request(9, k=4, max_new=40)]
+    whole = run(pair, requests, "on", method="prompt-lookup")
+    out = run(pair, requests, "on", method="prompt-lookup", cancel_after={0: 6, 2: 9})
+    assert out[0][1] == out[2][1] == "cancelled" and out[1] == whole[1] and run.ahead > 0
 
 
 @pytest.mark.parametrize("scheduling", ["on", "off"])
@@ -426,6 +501,8 @@ def test_both_nodes_with_async_scheduling_serve_the_synchronous_streams(pair):
 def test_the_flag_is_checked():
     with pytest.raises(ValueError, match="async_scheduling: expected one of"):
         DecodeConfig(async_scheduling="yes")
+    with pytest.raises(ValueError, match="speculate_ahead: expected one of"):
+        DecodeConfig(speculate_ahead="yes")
     assert DecodeConfig(device="cuda").pipelined and not DecodeConfig().pipelined
 
 

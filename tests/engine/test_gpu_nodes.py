@@ -86,6 +86,46 @@ def test_prompt_lookup_greedy_equals_k0_on_the_gpu(gpu_pair, method):
         assert decode.engine.pair.target.pool.used_blocks == 0 and decode.engine.pair.draft.pool.used_blocks == 0
 
 
+def test_steps_drafting_ahead_replay_moved_graphs_and_keep_every_greedy_token(gpu_pair, monkeypatch):
+    """Prompt lookup replaced by a guesser that knows each row's greedy continuation and gets a
+    draft wrong with probability 0.1: the decode node queues each speculating step before the
+    one in flight is read, its graph inputs moved back on the device by what that step
+    rejected. Eight rows at once emit the K = 0 tokens and free every block."""
+    import random
+
+    from engine.prompt_lookup import ContextIndex
+
+    with cluster(
+        gpu_pair,
+        DecodeConfig(spec=SpeculativeConfig(method="prompt-lookup"), device="cuda", max_batch=16, speculate_ahead="on"),
+        PrefillConfig(spec=SpeculativeConfig(method="prompt-lookup"), device="cuda"),
+    ) as (client, _, decode):
+        assert decode.engine.pipelined and decode.engine.policy.drafting_ahead
+        prompts = [[40 + r, *range(3, 12 + r)] for r in range(8)]  # none a prefix of another
+
+        def generate(prompt, k):
+            return client.generate(prompt_token_ids=prompt, greedy=True, max_new_tokens=40, num_speculative_tokens=k)
+
+        truth = {tuple(p): [*p, *generate(p, 0).token_ids] for p in prompts}
+        rng = random.Random(3)
+
+        def guess(self, k, tail=()):
+            context = [*self.tokens, *tail]
+            whole = next(t for p, t in truth.items() if tuple(context[: len(p)]) == p)
+            right = whole[: len(context)] == context
+            cont = [t if right and rng.random() > 0.1 else rng.randrange(2, 90) for t in whole[len(context) :][:k]]
+            return cont, 2 if cont else 0
+
+        monkeypatch.setattr(ContextIndex, "match", guess)
+        with futures.ThreadPoolExecutor(8) as pool:
+            spec = list(pool.map(lambda p: generate(p, 4), prompts))
+        assert [[*p, *s.token_ids] for p, s in zip(prompts, spec, strict=True)] == list(truth.values())
+        accepted = sum(s.stats.accepted_tokens for s in spec)
+        assert 0.2 * sum(s.stats.draft_tokens for s in spec) < accepted
+        wait_until(lambda: decode.engine.load == 0, what="engine idle")
+        assert decode.engine.pair.target.pool.used_blocks == 0
+
+
 def test_captured_graphs_equal_eager(gpu_pair):
     from engine.paged_lm import PagedLlamaLM, bytes_per_token
 

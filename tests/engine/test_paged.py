@@ -252,6 +252,71 @@ def test_a_ragged_batch_padded_into_a_graph_bucket_changes_no_real_row(models):
         paged.release(sp)
 
 
+@pytest.mark.parametrize("layout", ["eager", "graph bucket"])
+def test_a_shifted_chain_forward_is_the_forward_at_the_rows_true_lengths(models, layout):
+    """Each row verified [x, d1, d2, d3] and kept x and its first a drafts (a = 3, 0, 1), which
+    the host has not read: the next forward is built at the lengths that assume every draft
+    kept and moved back on the device (`Shift`). Its logits are those of a model that only ever
+    saw the kept tokens, eagerly and in a graph bucket's padded layout (rows padded to 4, 4
+    queries a row); once the host drops the rejected drafts, the next token finds the right KV."""
+    from engine.kv_cache import PagedBatch, Shift, batch_meta
+    from engine.paged_lm import pad_rows, padded_places
+
+    contiguous, paged = models
+    vocab = contiguous.vocab_size
+    prompts, kept = (ids(9, 1, vocab), ids(20, 2, vocab), ids(3, 3, vocab)), (3, 0, 1)
+    verified = [ids(4, 10 + r, vocab) for r in range(3)]
+    feed, lengths = [[5, 6, 7], [8], [9, 10]], [3, 1, 2]
+    want, pairs = [], []
+    for prompt, tokens, a, row in zip(prompts, verified, kept, feed, strict=True):
+        c, sp = contiguous.prefill(prompt)[1], paged.prefill(prompt)[1]
+        paged.reserve(sp, len(prompt) + 4 + 3)
+        paged.extend(sp, tokens)  # every draft's KV written, as the verify pass did
+        contiguous.extend(c, tokens[: 1 + a])
+        want.append(contiguous.extend(c, row))
+        pairs.append((c, sp))
+    states = [sp for _, sp in pairs]
+    by = torch.tensor([a - 3 for a in kept])
+    if layout == "eager":
+        got = paged.extend_batch(states, feed, shift=by)
+    else:
+        seqs = [sp.kv for sp in states]
+        place = padded_places(lengths, 4)
+        meta = batch_meta(paged.pool, seqs, lengths, paged.config.sliding_window, rows=4, width=256, queries=4)
+        past = [s.length for s in seqs]
+        positions = pad_rows(
+            torch.tensor([p + i for p, n in zip(past, lengths, strict=True) for i in range(n)]), place, 16
+        )
+        seq_lens = pad_rows(
+            torch.tensor([p + n for p, n in zip(past, lengths, strict=True) for _ in range(n)]), place, 16, fill=1
+        )
+        tokens = pad_rows(torch.tensor([t for row in feed for t in row]), place, 16)
+        Shift.build(by, seqs, lengths, place).apply(
+            positions, seq_lens, meta, paged.pool.block_size, paged.config.sliding_window
+        )
+        assert positions[place].tolist()[:3] == [len(prompts[0]) + 4 + i for i in range(3)]
+        assert positions[4].item() == len(prompts[1]) + 1  # row 1 kept x alone
+        with torch.inference_mode():
+            out = paged.module(
+                tokens,
+                positions,
+                PagedBatch(paged.pool, meta, dense=True),
+                num_layers=paged.num_layers,
+                seq_lens=seq_lens,
+            )
+        got = out[place].split(lengths)
+        for sp, row in zip(states, feed, strict=True):
+            sp.kv.length += len(row)
+            sp.tokens += row
+    for r, (c, sp) in enumerate(pairs):
+        assert_fp_close(got[r].float(), want[r], model_roundings(contiguous))
+        start = len(prompts[r]) + 1 + kept[r]  # the host drops the rejected drafts once it reads them
+        del sp.tokens[start : len(prompts[r]) + 4]
+        sp.kv.length -= 3 - kept[r]
+        assert_fp_close(paged.extend(sp, [11]).float(), contiguous.extend(c, [11]), model_roundings(contiguous))
+        paged.release(sp)
+
+
 def test_chunked_import_at_any_byte_boundaries_equals_the_export(models):
     """A KV streamed in slices that start and end anywhere (inside an element, a row, a head)
     lands in the pool and the contiguous cache exactly as exported; release mid-import frees it."""

@@ -119,6 +119,29 @@ def test_match_equals_the_reference_on_random_contexts():
         assert ContextIndex(tokens, lo, hi).match(k) == reference_match(tokens, lo, hi, k), (tokens, lo, hi, k)
 
 
+def test_a_tail_continues_the_context_and_only_the_context_holds_occurrences():
+    """match(k, tail): the suffix of context + tail, the most recent occurrence that ends before
+    the context's last token (the tail is not indexed), and the tokens after it read on into
+    the tail: the reference over the joined tokens with those occurrences alone."""
+    rng = random.Random(4321)
+    seen = 0
+    for _ in range(600):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 6)
+        vocab = rng.randint(2, 4)
+        tokens, tail = random_tokens(rng, rng.randint(0, 30), vocab), random_tokens(rng, rng.randint(0, 5), vocab)
+        k = rng.randint(0, 6)
+        joined, want = tokens + tail, ([], 0)
+        for n in range(min(hi, len(joined) - 1), lo - 1, -1) if k > 0 else ():
+            ends = [end for end in reference_ends(joined, n) if end < len(tokens) - 1]
+            if ends:
+                want = joined[ends[0] + 1 : ends[0] + 1 + k], n
+                seen += ends[0] + k >= len(tokens) and bool(tail)  # it runs on into the tail
+                break
+        assert ContextIndex(list(tokens), lo, hi).match(k, tail) == want, (tokens, tail, lo, hi, k)
+    assert seen > 20
+
+
 def test_incremental_indexing_equals_a_fresh_index():
     """Tokens appended to the held list between lookups (one, several, none at a time) give the
     answers of an index built over the same tokens at once, and of the reference."""

@@ -1,4 +1,4 @@
-"""--speculative-method, --prompt-lookup-min/-max (both nodes) and --adaptive-k (decode): the
+"""--speculative-method, --prompt-lookup-min/-max (both nodes), --adaptive-k and --speculate-ahead (decode): the
 values reach the engines' configs, bad values are parser errors that name the flag."""
 
 import os
@@ -53,6 +53,12 @@ def test_adaptive_k_reaches_the_decode_config():
         engine = decode_args([*LOOKUP, "--adaptive-k", value]).engine
         assert engine.spec.adaptive_k == value and engine.spec.adaptive is adaptive
     assert decode_args(["--adaptive-k", "on"]).engine.spec.adaptive  # on with the draft model too
+
+
+def test_speculate_ahead_reaches_the_decode_config(capsys):
+    assert decode_args([]).engine.speculate_ahead == "off"
+    assert decode_args(["--speculate-ahead", "on"]).engine.speculate_ahead == "on"
+    assert "--speculate-ahead" in parser_error(decode_args, ["--speculate-ahead", "yes"], capsys)
 
 
 def test_the_environment_sets_the_defaults(monkeypatch):
