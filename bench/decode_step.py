@@ -1,7 +1,7 @@
 """Where a decode step's time goes outside the model forward (the goal: "< 10%").
 
     python bench/decode_step.py [--device cuda] [--shape llama3-8b] [--batches 1,8] [--k 0,4]
-                                [--scheduling off,on] [--smoke]
+                                [--scheduling off,on,ahead] [--smoke]
         [--target-model GGUF|DIR (--draft-model DIR | --draft-layers N) --method hybrid --temperatures 0,0.7]
 
 The decode engine alone (no gRPC): `--batches` requests with a 256-token context, prefilled by
@@ -14,7 +14,8 @@ or, per `--temperatures` above 0, sampled and seeded. Per configuration:
 * the wall time of one engine step: the median time between consecutive `step()` returns in a
   run of steps (each step reads its tokens, or with async scheduling the step before's: a
   steady period, no synchronize in between that would drain the pipeline), for each
-  `--scheduling` (the decode engine's async_scheduling: off, on) in the same run;
+  `--scheduling` (the decode engine's async_scheduling: off, on; ahead: on, with greedy
+  prompt-lookup rows speculating in the queued steps, `--speculate-ahead on`) in the same run;
 * the target forward alone at the same batch and width (bench/harness.step_rows: the graph
   replay on a GPU), so step - forward is what the engine adds: drafting, sampling, the
   rejection kernel, metadata, bookkeeping;
@@ -80,7 +81,14 @@ def engine_steps(
     top project functions by time with callees)."""
     spec = SpeculativeConfig(max_speculative_tokens=max(k, 1), method=method)
     prefill = PrefillEngine(pair, PrefillConfig(spec=spec, device=device))
-    config = DecodeConfig(spec=spec, device=device, max_batch=batch, async_scheduling=scheduling)
+    ahead = scheduling == "ahead"
+    config = DecodeConfig(
+        spec=spec,
+        device=device,
+        max_batch=batch,
+        async_scheduling="on" if ahead else scheduling,
+        speculate_ahead="on" if ahead else "off",
+    )
     decode = DecodeEngine(pair, config)
     receiver = Receiver.from_contract(pair.contract(), max(k, 1))
 
@@ -167,7 +175,9 @@ def main() -> None:
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--k", default="0,4")
-    parser.add_argument("--scheduling", default="off,on", help="the decode engine's async_scheduling values")
+    parser.add_argument(
+        "--scheduling", default="off,on", help="the decode engine's async_scheduling values (ahead: on, speculating ahead)"
+    )
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="the tiny shape (CPU is fine)")
