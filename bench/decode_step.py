@@ -175,9 +175,7 @@ def main() -> None:
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--k", default="0,4")
-    parser.add_argument(
-        "--scheduling", default="off,on", help="the decode engine's async_scheduling values (ahead: on, speculating ahead)"
-    )
+    parser.add_argument("--scheduling", default="off,on", help="async_scheduling values (ahead: on, speculating ahead)")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="the tiny shape (CPU is fine)")
