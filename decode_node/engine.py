@@ -442,7 +442,7 @@ class DecodeEngine:
                 found.append(seq.lookup.match(min(seq.k, room))[0])
                 guesses.append(None)
             else:
-                tail = [] if request in self._misguessed else previous.queued.drafts[at]
+                tail = [] if request in self._misguessed else previous.queued.proposals[at].token_ids
                 room -= len(tail) + 1  # the tokens the step in flight emits, as guessed
                 token = seq.lookup.match(1, tail)[0] if room > 0 else []
                 found.append(seq.lookup.match(min(seq.k, room), [*tail, *token])[0] if token else [])
@@ -466,14 +466,15 @@ class DecodeEngine:
         emitted = step.queued.host()
         after = self._inflight
         following = {} if after is None else {r: i for i, r in enumerate(after.requests)}
-        for request, tokens, slot, drafts in zip(
-            step.requests, emitted, step.queued.slots, step.queued.drafts, strict=True
+        for request, tokens, slot, proposal in zip(
+            step.requests, emitted, step.queued.slots, step.queued.proposals, strict=True
         ):
             if request.cancelled.is_set():
                 continue
             seq = request.seq
             state = seq.target_state
             state.tokens[slot] = seq.history[-1]  # what the step fed: read by now
+            drafts = proposal.token_ids
             rejected = len(drafts) - (len(tokens) - 1)
             if rejected:
                 del state.tokens[slot + 1 + len(tokens) - 1 : slot + 1 + len(drafts)]
@@ -489,7 +490,6 @@ class DecodeEngine:
             if seq.k:
                 self._chose(seq, len(drafts))
                 if drafts:  # verified drafts count, whatever context they continued
-                    proposal = Proposal(drafts, list(range(-1, len(drafts) - 1)), None, LOOKUP)
                     self._record(seq, proposal, spec_step.Verified(tokens, list(range(len(tokens) - 1)), False, []))
                 if drafts and not misguessed:
                     self.policy.verified(seq, LOOKUP, len(drafts), len(tokens) - 1)

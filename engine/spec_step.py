@@ -129,7 +129,7 @@ class Queued:
     shift: torch.Tensor | None  # [B] int64 on the device: accepted - drafted (<= 0); None: no row drafted
     copy: HostCopy  # [B, K+2] int64 on its way to the host: the emitted tokens (-1 after), then their count
     slots: list[int]  # where each row's first fed token sits in its target state's tokens (UNREAD until read)
-    drafts: list[list[int]]  # each row's drafts, verified by this step
+    proposals: list[Proposal]  # each row's drafts, verified by this step (point-mass chains; none at K = 0)
 
     def host(self) -> list[list[int]]:
         """Each row's emitted tokens: the host waits for the step here."""
@@ -181,18 +181,18 @@ def queue(
     slots = [len(state.tokens) - n for state, n in zip(states, feeds, strict=True)]
     # a coupled row's position: its history, and the token in flight (a row in flight drafted nothing there)
     positions = [len(s.history) + (at is not None) for s, at in zip(seqs, carried, strict=True)]
-    batch = VerifyBatch.build(
-        [Proposal(d, list(range(-1, len(d) - 1)), None, LOOKUP) for d in drafts],
-        positions,
-        target.vocab_size,
-        verifier.device,
-    )
+    proposals = [Proposal(d, list(range(-1, len(d) - 1)), None, LOOKUP) if d else NO_PROPOSAL for d in drafts]
+    if any(drafts):
+        batch = VerifyBatch.build(proposals, positions, target.vocab_size, verifier.device)
+    else:  # a K = 0 step: no layout to build
+        batch = VerifyBatch(torch.empty(rows, 0, dtype=torch.int64), positions=positions)
     result = verifier.verify(batch, logits, [s.params for s in seqs], [s.rng for s in seqs])
+    output = result.output_token_ids.to(torch.int64)  # [B, K+1]
     emitted = result.accepted_token_num.to(torch.int64)  # [B]: 1..K+1
-    last = result.output_token_ids.to(torch.int64).gather(1, (emitted - 1)[:, None])[:, 0]  # [B]
+    last = output.gather(1, (emitted - 1)[:, None])[:, 0]  # [B]
     shift = None
     if any(drafts):
         shift = emitted - 1 - shared_tensor([len(d) for d in drafts], torch.int64, emitted.device)
-    packed = torch.cat([result.output_token_ids.to(torch.int64), emitted[:, None]], 1)  # [B, K+2]
+    packed = torch.cat([output, emitted[:, None]], 1)  # [B, K+2]
     # its own stream: not behind a KV export's copies (a prefill node in the same process)
-    return Queued(last, shift, to_host_async(packed, purpose="tokens"), slots, drafts)
+    return Queued(last, shift, to_host_async(packed, purpose="tokens"), slots, proposals)

@@ -104,7 +104,7 @@ def run(
     while decode.load or any(not reason for _, reason in out):
         decode.step()
         run.pipelined += decode._inflight is not None
-        run.ahead += decode._inflight is not None and any(decode._inflight.queued.drafts)
+        run.ahead += decode._inflight is not None and any(p.token_ids for p in decode._inflight.queued.proposals)
         steps += 1
         assert steps < 500
         for i, (req, tokens) in enumerate(running):
