@@ -14,7 +14,7 @@ or, per `--temperatures` above 0, sampled and seeded. Per configuration:
 * the wall time of one engine step: the median time between consecutive `step()` returns in a
   run of steps (each step reads its tokens, or with async scheduling the step before's: a
   steady period, no synchronize in between that would drain the pipeline), for each
-  `--scheduling` (the decode engine's async_scheduling: off, on; ahead: on, with greedy
+  `--scheduling` (the decode engine's async_scheduling: off, on; ahead: on, with
   prompt-lookup rows speculating in the queued steps, `--speculate-ahead on`) in the same run;
 * the target forward alone at the same batch and width (bench/harness.step_rows: the graph
   replay on a GPU), so step - forward is what the engine adds: drafting, sampling, the

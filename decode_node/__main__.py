@@ -31,7 +31,7 @@ def build_parser():
         "--speculate-ahead",
         default="off",
         choices=SPECULATE_AHEAD,
-        help="with async scheduling, queue greedy prompt-lookup steps that speculate too, each drafting on the "
+        help="with async scheduling, queue prompt-lookup steps that speculate too, each drafting on the "
         "context the step in flight would leave if it accepted all its drafts",
     )
     parser.add_flag(

@@ -21,7 +21,7 @@ class DecodeConfig:
     sampler_backend: str = "auto"
     device: str = "cpu"
     async_scheduling: str = "auto"  # on | off | auto (on where the device is a GPU)
-    # on: greedy prompt-lookup rows speculate in queued steps too, wherever async scheduling
+    # on: prompt-lookup rows speculate in queued steps too, wherever async scheduling
     # queues steps (decode_node/engine.py `_ahead`); off (the default): they speculate in
     # synchronous steps
     speculate_ahead: str = "off"

@@ -7,7 +7,7 @@ bytes straight into it, and the request is admitted once they are all in. Each s
 what fits (slots and KV blocks), asks the speculation policy (engine/spec_policy.py) what to
 run, and runs it for every active sequence: the speculative step of engine/spec_step.py, or,
 with async scheduling (on a GPU by default), a step queued before the step before it is read
-(`spec_step.queue`: K = 0, or greedy prompt-lookup rows drafting ahead; docs/design.md §9 "Async
+(`spec_step.queue`: K = 0, or prompt-lookup rows drafting ahead; docs/design.md §9 "Async
 scheduling"). A row that finished in step n also ran in a queued step n+1: that token is
 dropped, and its KV is freed once step n+1 is read. Emitted tokens go to the request's event
 queue; the servicer streams them. Paused readers and preemption (KV recomputed when resumed)
@@ -394,7 +394,7 @@ class DecodeEngine:
 
     def _launch(self, requests: list[Request], speculate: bool = False) -> None:
         """Queue a step for `requests` (async scheduling), then read the step before it: K = 0, or,
-        `speculate`, each greedy row drafting ahead of its step in flight (`_ahead`)."""
+        `speculate`, each drafting row drafting ahead of its step in flight (`_ahead`)."""
         previous = self._inflight
         carried = {} if previous is None else {r: i for i, r in enumerate(previous.requests)}
         seqs = [r.seq for r in requests]
@@ -435,7 +435,7 @@ class DecodeEngine:
         for request in requests:
             seq, at = request.seq, carried.get(request)
             room = min(request.kv_need - len(seq.target_state.tokens), seq.remaining) - 1  # drafts that fit
-            if not seq.k or not seq.params.is_greedy or room <= 0:
+            if not seq.k or room <= 0:
                 found.append([])
                 guesses.append(None)
             elif at is None:

@@ -69,7 +69,7 @@ class SpecPolicy:
         self.spec, self.proposer = spec, proposer
         self.costs = costs  # adaptive K's cost table (engine/adaptive.calibrate at start-up)
         self.pipelined = pipelined  # async scheduling is on
-        self.drafting_ahead = ahead  # greedy prompt-lookup rows may speculate in queued steps (`ahead`)
+        self.drafting_ahead = ahead  # prompt-lookup rows may speculate in queued steps (`ahead`)
         # Whether a batch speculates at all, from its measured steps (adaptive K: it prices each row).
         self.gate = BatchGate() if spec.adaptive else None
         # What this node's rows showed lately, all together: the gate prices a row that has shown
@@ -144,9 +144,8 @@ class SpecPolicy:
         """Whether a step that speculates can be queued before the step in flight is read, its rows
         drafting ahead (decode_node/engine.py `_ahead`): with async scheduling, for a proposer
         that drafts point-mass chains from the context alone (prompt lookup), where every row
-        needs nothing but its tokens back and every row that may draft is greedy (a sampled
-        row's coupling needs its position, which a step drafting ahead leaves on the device);
-        never with `--speculate-ahead off`."""
+        needs nothing but its tokens back (a sampled row is verified by coupling at positions
+        the device moves back with its KV); never with `--speculate-ahead off`."""
         return self.drafting_ahead and all(s.plain or self._drafts_ahead(s) for s in seqs)
 
     def ahead_depths(self, seqs: list[Sequence], limits: list[int]) -> list[int]:
@@ -294,6 +293,5 @@ class SpecPolicy:
             and bool(seq.k)
             and not seq.logprobs
             and seq.grammar is None
-            and seq.params.is_greedy
             and seq.candidates == 1
         )

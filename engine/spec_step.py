@@ -151,8 +151,9 @@ def queue(
     history token; then drafts[r], a chain of point masses (prompt lookup drafting ahead of the
     step in flight: any tokens at all, since the verifier is exact for any point mass, the
     drafts of a wrong guess are rejected). Where `earlier` drafted, its rows' tokens go back by
-    what it rejected, on the device (`shift`). A sampled row drafts only where its position is
-    known (its step in flight drafted nothing): it is verified by coupling at that position."""
+    what it rejected, on the device (`shift`), and so do the positions whose uniforms a sampled
+    row draws with: every sampled row is verified by coupling, its tokens those a K = 0 step
+    would draw at their positions, whatever it drafted."""
     fresh = [r for r, at in enumerate(carried) if at is None]
     width = 0 if earlier is None else len(earlier.tokens)
     where = {r: width + i for i, r in enumerate(fresh)}  # row -> its token in cat(earlier's, the fresh rows')
@@ -179,13 +180,18 @@ def queue(
     states = [s.target_state for s in seqs]
     logits = target.extend_batch(states, [[UNREAD, *d] for d in drafts], device_tokens=tokens, shift=shift)
     slots = [len(state.tokens) - n for state, n in zip(states, feeds, strict=True)]
-    # a coupled row's position: its history, and the token in flight (a row in flight drafted nothing there)
-    positions = [len(s.history) + (at is not None) for s, at in zip(seqs, carried, strict=True)]
+    # a coupled row's position: its history, then the tokens in flight as if that step accepted
+    # all its drafts, moved back on the device by what it rejected (`shift`)
+    positions = [
+        len(s.history) + (0 if at is None else 1 + len(earlier.proposals[at].token_ids))
+        for s, at in zip(seqs, carried, strict=True)
+    ]
     proposals = [Proposal(d, list(range(-1, len(d) - 1)), None, LOOKUP) if d else NO_PROPOSAL for d in drafts]
     if any(drafts):
         batch = VerifyBatch.build(proposals, positions, target.vocab_size, verifier.device)
     else:  # a K = 0 step: no layout to build
         batch = VerifyBatch(torch.empty(rows, 0, dtype=torch.int64), positions=positions)
+    batch = replace(batch, position_shift=shift)
     result = verifier.verify(batch, logits, [s.params for s in seqs], [s.rng for s in seqs])
     output = result.output_token_ids.to(torch.int64)  # [B, K+1]
     emitted = result.accepted_token_num.to(torch.int64)  # [B]: 1..K+1

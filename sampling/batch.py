@@ -66,6 +66,10 @@ class VerifyBatch:
         last context is the target's whether the padding draft there is accepted or not);
     positions [B] the sequence position of row b's first target token for a row verified by
         coupling (a point-mass proposal, `Verifier`), None for one that is not; or None: no row;
+    position_shift [B] int64 on the verifier's device, chains only: each coupled row's position
+        is positions[b] + position_shift[b], known on the device alone (a step queued before the
+        step in flight is read, built as if that step accepted all its drafts and moved back by
+        what it rejected: engine/kv_cache.Shift); or None: the positions as given;
     bitmask [B, N+1, ceil(Vt/32)] int32, structured outputs: the tokens allowed at each context
         (row b's root, then after each node; all bits set past a row and on free rows), the
         target's logits restricted to them (`sampling.filtering.restrict`); or None: no row.
@@ -80,6 +84,7 @@ class VerifyBatch:
     num_nodes: Sequence[int] | None = None
     positions: Sequence[int | None] | None = None
     bitmask: torch.Tensor | None = None
+    position_shift: torch.Tensor | None = None
 
     @property
     def chain(self) -> bool:
@@ -140,6 +145,15 @@ class VerifyBatch:
                 )
         if self.positions is not None and len(self.positions) != batch:
             raise ValueError(f"positions: expected {batch} entries, got {len(self.positions)}")
+        move = self.position_shift
+        if move is not None and (
+            self.positions is None
+            or self.parents is not None
+            or move.dtype != torch.int64
+            or tuple(move.shape) != (batch,)
+        ):
+            got = f"{move.dtype} {list(move.shape)}" + (" on a tree" if self.parents is not None else "")
+            raise ValueError(f"position_shift: expected int64 of shape [{batch}] on chains with positions, got {got}")
         mask = self.bitmask
         if mask is not None and (
             mask.dtype != torch.int32 or mask.dim() != 3 or tuple(mask.shape[:2]) != (batch, n + 1)

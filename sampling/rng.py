@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from common.transfer import cupy_available, indexed, to_device
+from common.transfer import cupy_available, indexed, shared_tensor, to_device
 from sampling.cupy_draw import splitmix64_cupy
 
 _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment, the golden ratio in 64 bits
@@ -89,18 +89,25 @@ def stream_uniforms(
     device: torch.device | str = "cpu",
     width: int | None = None,
     at: Sequence[int | None] | None = None,
+    shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B, width] float32 on `device` (width: max(counts) unless given): row b is the next
     counts[b] uniforms of rngs[b]'s stream, then zeros; each stream moves by its count (a
     request listed twice draws twice, in row order). With `at`, a row whose at[b] is a position
     reads instead the uniforms of positions at[b] .. at[b] + counts[b] - 1 (`RequestRng.at`), and
-    its stream does not move. Two int64 a row reach the device: on a GPU, in the kernel launch's
-    parameters for a batch of up to 64 rows, else one copy."""
+    its stream does not move. `shift` [B] int64 on `device`: a row given a position reads from
+    at[b] + shift[b] instead, a position only the device knows (a step queued before the step in
+    flight is read, moved back by what that step rejected: engine/kv_cache.Shift); rows without
+    a position ignore it. Two int64 a row reach the device: on a GPU, in the kernel launch's
+    parameters for a batch of up to 64 rows without a shift, else one copy."""
     width = max(counts, default=0) if width is None else width
     if len(counts) != len(rngs) or any(not 0 <= count <= width for count in counts):
         raise ValueError(f"counts: expected {len(rngs)} values in [0, {width}], got {list(counts)}")
     if at is not None and len(at) != len(rngs):
         raise ValueError(f"at: expected {len(rngs)} positions or None, got {len(at)}")
+    if shift is not None and (at is None or shift.dtype != torch.int64 or tuple(shift.shape) != (len(rngs),)):
+        got = f"{shift.dtype} {list(shift.shape)}" + ("" if at is not None else " without `at`")
+        raise ValueError(f"shift: expected int64 of shape [{len(rngs)}] with `at`, got {got}")
     if not any(counts):
         return torch.zeros(len(rngs), width, dtype=torch.float32, device=device)  # no draw, no copy
     rows = array.array("Q")  # unsigned 64-bit, read as int64 with the same bits
@@ -116,6 +123,10 @@ def stream_uniforms(
             rows.append((rng.position_key + (start + 1) * _GAMMA) & _MASK)
         rows.append(count)
     sent = _int64(rows).view(-1, 2)  # [B, 2]: state, count
+    if shift is not None:  # a run of positions from at + shift starts shift * GAMMA further on
+        positioned = shared_tensor([start is not None for start in at], torch.bool, shift.device)
+        sent = to_device(sent, shift.device)
+        sent[:, 0] += torch.where(positioned, shift, 0) * _signed(_GAMMA)
     if _on_kernel(device):
         return splitmix64_cupy(sent, width, True, indexed(device))
     sent = to_device(sent, device)

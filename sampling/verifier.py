@@ -158,7 +158,7 @@ class Verifier:
         at = None
         if any(coupled):
             at = [position if c else None for position, c in zip(batch.positions, coupled, strict=True)]
-        uniforms = stream_uniforms(rngs, counts, self.device, 2 * (k + 1), at)
+        uniforms = stream_uniforms(rngs, counts, self.device, 2 * (k + 1), at, None if at is None else batch.position_shift)
         target = sample_target(target_logits, tensors, uniforms[:, : k + 1])
         output, emitted = self.sampler(
             _on_device(batch.draft_token_ids, self.device),

@@ -196,11 +196,14 @@ def test_prompt_lookup_rows_pipeline_while_they_cannot_draft_and_match_the_synch
     assert sync[1] == plain[0]  # greedy prompt lookup emits the K = 0 tokens
 
 
-def looping(copies: int, k: int = 4, max_new: int = 30, stop=()) -> pdspec_pb2.GenerateRequest:
-    """A greedy request whose prompt repeats a phrase: prompt lookup finds matches from its start."""
+def looping(copies: int, k: int = 4, max_new: int = 30, stop=(), seed: int | None = None) -> pdspec_pb2.GenerateRequest:
+    """A request whose prompt repeats a phrase, greedy (or sampled with `seed`): prompt lookup
+    finds matches from its start."""
     out = pdspec_pb2.GenerateRequest(prompt_token_ids=[*range(3, 12)] * copies, num_speculative_tokens=k)
     out.sampling.max_new_tokens = max_new
     out.sampling.stop_token_ids.extend(stop)
+    if seed is not None:
+        out.sampling.do_sample, out.sampling.temperature, out.sampling.seed = True, 0.9, seed
     return out
 
 
@@ -231,17 +234,42 @@ def test_greedy_prompt_lookup_rows_draft_ahead_of_the_step_in_flight_and_emit_th
     assert off == sync and run.ahead == 0 and run.pipelined > 0
 
 
-def test_drafting_ahead_with_drafts_right_and_wrong_at_random_keeps_every_greedy_token(pair, monkeypatch):
-    """Prompt lookup replaced by a guesser that knows each row's greedy continuation and gets
-    every draft wrong with probability 0.1 (and guesses at random where the step in flight's
-    guess failed): most steps accept some drafts and reject the rest while the next step is
-    already queued, so the device's moves and the host's drops run step after step. The greedy
-    tokens of K = 0 come out all the same."""
+def test_sampled_rows_draft_ahead_and_draw_the_synchronous_engines_tokens(pair):
+    """Seeded sampled prompt-lookup rows draft ahead too: verified by coupling at positions the
+    device moves back with the KV, each emits the tokens the synchronous engine (and K = 0)
+    draws for its seed, beside greedy rows, a sampled K = 0 row and a row that stops."""
+    (tokens, _), *_ = run(pair, [request(7, seed=5, max_new=20)], "off")
+    requests = [
+        looping(2, seed=1),
+        looping(3, k=2, seed=2, max_new=40),
+        looping(2),
+        request(7, k=4, seed=5, max_new=20, stop=[tokens[9]]),
+        request(6, seed=6, max_new=12),  # K = 0
+        looping(3, seed=3, max_new=3),  # its budget ends inside a step's drafts
+    ]
+    sync = run(pair, requests, "off", method="prompt-lookup")
+    ahead = run(pair, requests, "on", method="prompt-lookup")
+    assert ahead == sync and run.ahead > 0
+    assert sum(s.draft_tokens for s in (run.stats[0], run.stats[1])) > 0  # the sampled rows drafted
+    assert sync[3][1] == "stop"
+    plain = run(pair, [request(7, seed=5, max_new=20, stop=[tokens[9]])], "off")
+    assert sync[3] == plain[0]  # coupled: the K = 0 tokens
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "sampled"])
+def test_drafting_ahead_with_drafts_right_and_wrong_at_random_keeps_every_token(pair, monkeypatch, seeded):
+    """Prompt lookup replaced by a guesser that knows each row's K = 0 continuation (greedy, or
+    drawn for its seed) and gets every draft wrong with probability 0.1 (and guesses at random
+    where the step in flight's guess failed): most steps accept some drafts and reject the rest
+    while the next step is already queued, so the device's moves (of the KV and of a sampled
+    row's positions) and the host's drops run step after step. The tokens of K = 0 come out all
+    the same."""
     from engine.prompt_lookup import ContextIndex
 
-    requests = [request(5 + 2 * i, k=4, max_new=30 + 3 * i) for i in range(4)]
+    requests = [request(5 + 2 * i, k=4, max_new=30 + 3 * i, seed=i if seeded else None) for i in range(4)]
     truth = {
-        tuple(r.prompt_token_ids): tokens for r, (tokens, _) in zip(requests, run(pair, requests, "off"), strict=True)
+        tuple(r.prompt_token_ids): tokens
+        for r, (tokens, _) in zip(requests, run(pair, [replace_k(r, 0) for r in requests], "off"), strict=True)
     }
     rng = random.Random(7)
 
@@ -258,6 +286,13 @@ def test_drafting_ahead_with_drafts_right_and_wrong_at_random_keeps_every_greedy
     assert [tokens for tokens, _ in ahead] == list(truth.values()) and run.ahead > 8
     drafted = sum(s.draft_tokens for s in run.stats)
     assert 0.2 * drafted < sum(s.accepted_tokens for s in run.stats) < 0.8 * drafted
+
+
+def replace_k(message: pdspec_pb2.GenerateRequest, k: int) -> pdspec_pb2.GenerateRequest:
+    out = pdspec_pb2.GenerateRequest()
+    out.CopyFrom(message)
+    out.num_speculative_tokens = k
+    return out
 
 
 def test_rows_cancelled_while_a_step_drafting_ahead_is_in_flight_give_back_their_blocks(pair):

@@ -86,11 +86,13 @@ def test_prompt_lookup_greedy_equals_k0_on_the_gpu(gpu_pair, method):
         assert decode.engine.pair.target.pool.used_blocks == 0 and decode.engine.pair.draft.pool.used_blocks == 0
 
 
-def test_steps_drafting_ahead_replay_moved_graphs_and_keep_every_greedy_token(gpu_pair, monkeypatch):
-    """Prompt lookup replaced by a guesser that knows each row's greedy continuation and gets a
-    draft wrong with probability 0.1: the decode node queues each speculating step before the
-    one in flight is read, its graph inputs moved back on the device by what that step
-    rejected. Eight rows at once emit the K = 0 tokens and free every block."""
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "sampled"])
+def test_steps_drafting_ahead_replay_moved_graphs_and_keep_every_token(gpu_pair, monkeypatch, seeded):
+    """Prompt lookup replaced by a guesser that knows each row's K = 0 continuation (greedy, or
+    drawn for its seed at T = 0.8) and gets a draft wrong with probability 0.1: the decode node
+    queues each speculating step before the one in flight is read, its graph inputs (and a
+    sampled row's positions, whose uniforms it draws with) moved back on the device by what
+    that step rejected. Eight rows at once emit the K = 0 tokens and free every block."""
     import random
 
     from engine.prompt_lookup import ContextIndex
@@ -104,7 +106,8 @@ def test_steps_drafting_ahead_replay_moved_graphs_and_keep_every_greedy_token(gp
         prompts = [[40 + r, *range(3, 12 + r)] for r in range(8)]  # none a prefix of another
 
         def generate(prompt, k):
-            return client.generate(prompt_token_ids=prompt, greedy=True, max_new_tokens=40, num_speculative_tokens=k)
+            sampling = {"temperature": 0.8, "seed": prompt[0]} if seeded else {"greedy": True}
+            return client.generate(prompt_token_ids=prompt, max_new_tokens=40, num_speculative_tokens=k, **sampling)
 
         truth = {tuple(p): [*p, *generate(p, 0).token_ids] for p in prompts}
         rng = random.Random(3)

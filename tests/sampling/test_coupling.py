@@ -61,8 +61,8 @@ def test_coupled_point_masses_keep_the_law_and_the_acceptance(tree):
 
 
 def test_one_uniform_for_every_position_is_caught(monkeypatch):
-    def first_position_only(rngs, counts, device, width, at=None):
-        out = stream_uniforms(rngs, counts, device, width, at)
+    def first_position_only(rngs, counts, device, width, at=None, shift=None):
+        out = stream_uniforms(rngs, counts, device, width, at, shift)
         for b, start in enumerate(at or []):
             if start is not None:
                 out[b, : counts[b]] = out[b, 0].item()

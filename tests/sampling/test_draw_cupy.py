@@ -120,14 +120,18 @@ def test_splitmix64_kernel_is_the_torch_values_bit_for_bit():
 @pytest.mark.parametrize("batch", [1, INLINE_ROWS, INLINE_ROWS + 1, 300])
 def test_stream_and_position_runs_are_the_cpus_at_every_batch(batch):
     """Up to INLINE_ROWS rows travel in the kernel's parameters, more through a copy: the values
-    are the CPU's either way, and each stream moves as it does there."""
+    are the CPU's either way, and each stream moves as it does there; so are runs of positions
+    moved on the device (`shift`: a step queued before the step in flight is read)."""
     counts = [(3 * b) % 11 for b in range(batch)]
     at = [None if b % 3 else 40 + b for b in range(batch)]
+    shift = -(torch.arange(batch) % 5)
     on_cpu = [RequestRng(seed, stream="decode") for seed in range(batch)]
     on_gpu = [RequestRng(seed, stream="decode") for seed in range(batch)]
     for _ in range(2):
         expected = stream_uniforms(on_cpu, counts, "cpu", 12, at)
         assert torch.equal(stream_uniforms(on_gpu, counts, "cuda", 12, at).cpu(), expected)
+        expected = stream_uniforms(on_cpu, counts, "cpu", 12, at, shift)
+        assert torch.equal(stream_uniforms(on_gpu, counts, "cuda", 12, at, shift.cuda()).cpu(), expected)
     assert [r.drawn for r in on_gpu] == [r.drawn for r in on_cpu]
 
 

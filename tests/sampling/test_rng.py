@@ -116,6 +116,21 @@ def test_a_row_given_a_position_reads_that_run_of_positions_and_leaves_its_strea
         stream_uniforms(rngs, [1, 1, 1, 1], "cpu", 2, [None])
 
 
+def test_a_shift_moves_a_rows_run_of_positions_on_the_device_and_nothing_else():
+    """A step queued before the step in flight is read knows its rows' positions on the device
+    alone: row b reads the run at at[b] + shift[b]; stream rows ignore the shift and move."""
+    rngs = [RequestRng(seed, stream="decode") for seed in range(3)]
+    shift = torch.tensor([-2, -3, 0])
+    got = stream_uniforms(rngs, [4, 3, 2], "cpu", 5, [10, None, 7], shift)
+    assert got[0].tolist() == [*rngs[0].at(8, 4), 0.0]
+    assert got[1].tolist() == [*stream(RequestRng(1, stream="decode"), 0, 3), 0.0, 0.0] and rngs[1].drawn == 3
+    assert got[2].tolist() == [*rngs[2].at(7, 2), 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match=r"shift: expected int64 of shape \[3\] with `at`"):
+        stream_uniforms(rngs, [1, 1, 1], "cpu", 2, None, shift)
+    with pytest.raises(ValueError, match="shift: expected int64"):
+        stream_uniforms(rngs, [1, 1, 1], "cpu", 2, [1, 2, 3], shift[:2])
+
+
 def test_tree_rows_read_their_uniforms_where_the_per_row_rule_puts_them(monkeypatch):
     """A sampled row b takes its stream's next 2(N_b+1): the first N_b+1 for the target sampler
     (columns 0..N_b), the next N_b+1 for the rejection test (columns N+1..N+1+N_b); a greedy
