@@ -155,10 +155,11 @@ class Verifier:
         # [B, 2(K+1)]: a sampled row its stream's next 2(K+1); a coupled row the uniforms of its
         # K+1 positions, then 0; a greedy row 0 (argmaxes read none).
         counts = [k + 1 if c else 0 if p.is_greedy else 2 * (k + 1) for p, c in zip(params, coupled, strict=True)]
-        at = None
+        at, shift = None, None
         if any(coupled):
             at = [position if c else None for position, c in zip(batch.positions, coupled, strict=True)]
-        uniforms = stream_uniforms(rngs, counts, self.device, 2 * (k + 1), at, None if at is None else batch.position_shift)
+            shift = batch.position_shift
+        uniforms = stream_uniforms(rngs, counts, self.device, 2 * (k + 1), at, shift)
         target = sample_target(target_logits, tensors, uniforms[:, : k + 1])
         output, emitted = self.sampler(
             _on_device(batch.draft_token_ids, self.device),
