@@ -288,6 +288,16 @@ def test_drafting_ahead_with_drafts_right_and_wrong_at_random_keeps_every_token(
     assert 0.2 * drafted < sum(s.accepted_tokens for s in run.stats) < 0.8 * drafted
 
 
+def test_rows_preempted_while_drafting_ahead_resume_with_the_same_tokens(pair):
+    """Six prompt-lookup rows (greedy and seeded) for two slots, preempted after 3 steps while a
+    step drafting ahead may hold them: each resumes with the synchronous engine's tokens."""
+    requests = [looping(2 + i % 2, seed=None if i % 3 == 0 else i, max_new=24) for i in range(6)]
+    alone = run(pair, requests, "off", method="prompt-lookup")
+    preempted = run(pair, requests, "on", method="prompt-lookup", max_batch=2, preempt_after_steps=3)
+    assert run.preemptions > 0 and run.ahead > 0
+    assert preempted == alone
+
+
 def replace_k(message: pdspec_pb2.GenerateRequest, k: int) -> pdspec_pb2.GenerateRequest:
     out = pdspec_pb2.GenerateRequest()
     out.CopyFrom(message)
