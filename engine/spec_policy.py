@@ -145,8 +145,10 @@ class SpecPolicy:
         drafting ahead (decode_node/engine.py `_ahead`): with async scheduling, for a proposer
         that drafts point-mass chains from the context alone (prompt lookup), where every row
         needs nothing but its tokens back (a sampled row is verified by coupling at positions
-        the device moves back with its KV); never with `--speculate-ahead off`."""
-        return self.drafting_ahead and all(s.plain or self._drafts_ahead(s) for s in seqs)
+        the device moves back with its KV), and some row may draft (a batch of K = 0 rows is
+        a plain queued step: no matching, no gate); never with `--speculate-ahead off`."""
+        drafting = [self._drafts_ahead(s) for s in seqs]
+        return any(drafting) and all(s.plain or d for s, d in zip(seqs, drafting, strict=True))
 
     def ahead_depths(self, seqs: list[Sequence], limits: list[int]) -> list[int]:
         """Each row's K in a step drafting ahead, of the `limits[r]` drafts its match offers: what

@@ -288,6 +288,20 @@ def test_drafting_ahead_with_drafts_right_and_wrong_at_random_keeps_every_token(
     assert 0.2 * drafted < sum(s.accepted_tokens for s in run.stats) < 0.8 * drafted
 
 
+def test_a_batch_of_k0_rows_is_a_plain_queued_step_with_speculate_ahead_on(pair, monkeypatch):
+    """Drafting ahead needs a row that may draft: K = 0 rows alone pipeline as plain steps, with
+    no matching and no gate, and give the synchronous tokens."""
+    calls = []
+    real = DecodeEngine._ahead
+    monkeypatch.setattr(DecodeEngine, "_ahead", lambda self, *args: calls.append(1) or real(self, *args))
+    requests = [request(5, max_new=12), request(7, seed=2, max_new=12)]
+    queued = run(pair, requests, "on", method="prompt-lookup")
+    assert not calls and run.pipelined > 0
+    assert queued == run(pair, requests, "off", method="prompt-lookup")
+    run(pair, [*requests, looping(2)], "on", method="prompt-lookup")
+    assert calls  # a row that may draft: the batch drafts ahead
+
+
 def test_rows_preempted_while_drafting_ahead_resume_with_the_same_tokens(pair):
     """Six prompt-lookup rows (greedy and seeded) for two slots, preempted after 3 steps while a
     step drafting ahead may hold them: each resumes with the synchronous engine's tokens."""
