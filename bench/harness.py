@@ -53,13 +53,18 @@ LOOPBACK = "127.0.0.1"
 # --- the environment and the results file -------------------------------------------------
 
 
+_SECRET = re.compile("KEY|TOKEN|SECRET|PASSWORD|CERT", re.IGNORECASE)  # never written into a results file
+
+
 def environment() -> dict[str, str]:
     """What a figure depends on besides the code: the machine, the versions, the commit, when,
-    and the command line that made it."""
+    and the command line that made it, with the PDSPEC_* variables it ran under (the nodes'
+    flag defaults: `pdspec serve` passes them on), secrets left out."""
+    settings = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("PDSPEC_") and not _SECRET.search(k)]
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit(),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": shlex.join([*settings, Path(sys.executable).name, *sys.argv]),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu": _cpu_model(),
