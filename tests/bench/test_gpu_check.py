@@ -100,3 +100,16 @@ def test_the_first_use_step_runs_with_an_empty_driver_jit_cache(tmp_path):
     assert step["status"] == "passed" and done.returncode == 0, step.get("output_tail")
     cache = Path(step["figures"]["jit_cache"])
     assert cache.name.startswith("jit-cache-") and cache != tmp_path / "the-callers"
+
+
+def test_a_results_file_names_the_pdspec_variables_its_run_served_under_and_no_secret(monkeypatch):
+    """`pdspec serve` passes PDSPEC_* flag defaults to the nodes: the command a results file
+    records starts with them, so the figure can be remade; keys, tokens and certificates stay out."""
+    from bench.harness import environment
+
+    monkeypatch.setenv("PDSPEC_DECODE_SPECULATE_AHEAD", "on")
+    monkeypatch.setenv("PDSPEC_API_KEY", "hunter2")
+    monkeypatch.setenv("PDSPEC_PEER_TOKEN_FILE", "/run/secret")
+    command = environment()["command"]
+    assert "PDSPEC_DECODE_SPECULATE_AHEAD=on" in command.split()
+    assert "hunter2" not in command and "/run/secret" not in command
