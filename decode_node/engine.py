@@ -447,7 +447,9 @@ class DecodeEngine:
                 token = seq.lookup.match(1, tail)[0] if room > 0 else []
                 found.append(seq.lookup.match(min(seq.k, room), [*tail, *token])[0] if token else [])
                 guesses.append(_Guess(len(tail), token[0]) if token else None)
-        depths = self.policy.ahead_depths([r.seq for r in requests], [len(d) for d in found])
+        depths = self.policy.ahead_depths(
+            [r.seq for r in requests], [len(d) for d in found], [g is not None for g in guesses]
+        )
         return [d[:k] for d, k in zip(found, depths, strict=True)], guesses
 
     def _drain(self) -> None:
@@ -485,8 +487,11 @@ class DecodeEngine:
             self._misguessed.discard(request)
             if request in following:  # the drafts queued after this step assumed it ended so
                 ahead = after.guesses[following[request]]
-                if ahead is not None and (ahead.accepted != len(tokens) - 1 or ahead.token != tokens[-1]):
-                    self._misguessed.add(request)
+                if ahead is not None:
+                    right = ahead.accepted == len(tokens) - 1 and ahead.token == tokens[-1]
+                    self.policy.guessed(seq, right)
+                    if not right:
+                        self._misguessed.add(request)
             if seq.k:
                 self._chose(seq, len(drafts))
                 if drafts:  # verified drafts count, whatever context they continued

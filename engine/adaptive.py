@@ -151,12 +151,14 @@ class AdaptiveK:
             expected += reach
         return expected
 
-    def choose(self, source: str, limit: int, costs: StepCosts) -> int:
+    def choose(self, source: str, limit: int, costs: StepCosts, lead: float = 1.0) -> int:
         """The K in 0..min(limit, cap) with the most expected tokens per unit of cost (the cost
-        table is a batch-1 table: `BatchGate` decides for a batch as a whole)."""
+        table is a batch-1 table: `BatchGate` decides for a batch as a whole). `lead`: the chance
+        the drafts continue the right context at all (a row drafting ahead of a guessed token:
+        a wrong guess rejects them all), which every draft's chance of adding a token carries."""
         limit = min(limit, self.cap)
         best_k, best_rate = 0, 1.0  # K = 0: one token for one step
-        expected, reach = 1.0, 1.0
+        expected, reach = 1.0, lead
         for k, a in enumerate(self.rates(source)[:limit], start=1):
             reach *= a
             expected += reach
@@ -165,11 +167,12 @@ class AdaptiveK:
                 best_k, best_rate = k, rate
         return best_k
 
-    def admitted(self, source: str, k: int, floor: float, prior: list[float] | None = None) -> int:
+    def admitted(self, source: str, k: int, floor: float, prior: list[float] | None = None, lead: float = 1.0) -> int:
         """Of k drafts from `source`, how many to verify: those whose chance of adding a token
         (every draft up to them accepted) is at least `floor` (`BatchGate.floor`; `prior`: as in
-        `rates`). The chance falls with the position, so they are the first ones."""
-        reach = 1.0
+        `rates`; `lead`: as in `choose`). The chance falls with the position, so they are the
+        first ones."""
+        reach = lead
         for j, a in enumerate(self.rates(source, prior)[:k]):
             reach *= a
             if reach < floor:

@@ -31,7 +31,7 @@ import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from engine.adaptive import AdaptiveK, BatchGate, StepCosts, calibrate
+from engine.adaptive import DECAY, PRIOR_WEIGHT, AdaptiveK, BatchGate, StepCosts, calibrate
 from engine.proposer import Plan, Proposer
 from engine.sequence import Sequence
 from engine.spec_config import SpeculativeConfig
@@ -42,6 +42,7 @@ from sampling.proposal import LOOKUP, PREFILL
 log = logging.getLogger(__name__)
 
 SHOWN_DECAY = 0.98  # per step, of what the node's rows showed: back toward PRIOR after a few hundred steps
+GUESS_DECAY = DECAY  # per guess, of a row's guesses before it: as recent as its acceptance
 
 
 @dataclass
@@ -51,6 +52,7 @@ class _Row:
     may_draft: bool = True  # the same after the step before
     planned: tuple[str, int] = ("", 0)  # the source and K adaptive K chose when the context last grew
     gated: bool = False  # the batch gate held the row's latest step at K = 0
+    guesses: tuple[float, float] = (0.0, 0.0)  # drafting ahead: (right, made) guesses of the token in flight
 
 
 @dataclass(frozen=True)
@@ -150,16 +152,35 @@ class SpecPolicy:
         drafting = [self._drafts_ahead(s) for s in seqs]
         return any(drafting) and all(s.plain or d for s, d in zip(seqs, drafting, strict=True))
 
-    def ahead_depths(self, seqs: list[Sequence], limits: list[int]) -> list[int]:
+    def ahead_depths(self, seqs: list[Sequence], limits: list[int], guessing: list[bool]) -> list[int]:
         """Each row's K in a step drafting ahead, of the `limits[r]` drafts its match offers: what
         adaptive K pays for (admitted by the step's floor where the gate let it speculate), or
-        all of them."""
+        all of them. A row `guessing` the token its step in flight emits drafts after that
+        guess: each draft's chance carries the row's rate of right guesses (`guessed`)."""
         depths, ahead = [], self.costs.drafting_ahead()
-        for seq, limit in zip(seqs, limits, strict=True):
-            adaptive = self._rows[seq].adaptive
-            depths.append(limit if adaptive is None or not limit else self._depth(adaptive, LOOKUP, limit, ahead))
+        for seq, limit, guess in zip(seqs, limits, guessing, strict=True):
+            row = self._rows[seq]
+            if row.adaptive is None or not limit:
+                depths.append(limit)
+                continue
+            lead = self._guess_rate(row) if guess else 1.0
+            depths.append(self._depth(row.adaptive, LOOKUP, limit, ahead, lead))
         self._drafted = sum(depths)
         return depths
+
+    def guessed(self, seq: Sequence, right: bool) -> None:
+        """Whether a row drafting ahead guessed the token its step in flight emitted, and that
+        step's accepted count (what its drafts after the guess assumed)."""
+        row = self._rows[seq]
+        hits, made = row.guesses
+        row.guesses = (hits * GUESS_DECAY + right, made * GUESS_DECAY + 1)
+
+    def _guess_rate(self, row: _Row) -> float:
+        """A row's rate of right guesses, its prior the chance its first draft is accepted (a
+        guess is that draft's test, one step early)."""
+        hits, made = row.guesses
+        prior = row.adaptive.rates(LOOKUP)[0]
+        return (hits + prior * PRIOR_WEIGHT) / (made + PRIOR_WEIGHT)
 
     def choose(self, seqs: list[Sequence], hold: bool) -> StepChoice:
         """A synchronous step's drafting: each row past its first step proposes the K its running
@@ -248,11 +269,13 @@ class SpecPolicy:
         shown = self.shown.rates(source)
         return row.adaptive.expected(source, row.adaptive.admitted(source, k, self._floor, shown), shown)
 
-    def _depth(self, adaptive: AdaptiveK, source: str, limit: int, costs: StepCosts | None = None) -> int:
-        """A row's K: what adaptive K pays for (at `costs`, the node's table unless given), of
-        which this step's floor admits the first ones."""
-        k = adaptive.choose(source, limit, costs or self.costs)
-        return adaptive.admitted(source, k, self._floor, self.shown.rates(source)) if self._floor else k
+    def _depth(
+        self, adaptive: AdaptiveK, source: str, limit: int, costs: StepCosts | None = None, lead: float = 1.0
+    ) -> int:
+        """A row's K: what adaptive K pays for (at `costs`, the node's table unless given; `lead`:
+        `AdaptiveK.choose`'s), of which this step's floor admits the first ones."""
+        k = adaptive.choose(source, limit, costs or self.costs, lead)
+        return adaptive.admitted(source, k, self._floor, self.shown.rates(source), lead) if self._floor else k
 
     def _batch_free(self, seq: Sequence) -> bool:
         """Whether the row's tokens may depend on what else is in the batch: not for a seeded

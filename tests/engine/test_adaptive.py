@@ -83,6 +83,18 @@ def test_full_acceptance_drives_k_to_the_limit():
     assert spec.choose(LOOKUP, 9, COSTLY) == 4  # and so does the request's K
 
 
+def test_drafts_after_a_guess_are_priced_with_the_guess_and_admitted_with_it():
+    """A row drafting ahead of a guessed token gains from its drafts only where the guess is
+    right: the same acceptance that pays for 4 drafts pays for none once the guess's chance
+    (`lead`) falls far enough; the batch floor admits fewer of them too."""
+    spec = AdaptiveK(4)
+    for _ in range(30):
+        spec.observe(LOOKUP, 4, 4)
+    chosen = [spec.choose(LOOKUP, 4, COSTLY, lead) for lead in (1.0, 0.5, 0.3, 0.2, 0.1, 0.0)]
+    assert chosen[0] == 4 and chosen[-1] == chosen[-2] == 0 and chosen == sorted(chosen, reverse=True)
+    assert spec.admitted(LOOKUP, 4, 0.5) == 4 and spec.admitted(LOOKUP, 4, 0.5, lead=0.4) == 0
+
+
 def test_choose_never_exceeds_the_limit_or_the_cap():
     rng = random.Random(3)
     for _ in range(500):

@@ -319,6 +319,32 @@ def replace_k(message: pdspec_pb2.GenerateRequest, k: int) -> pdspec_pb2.Generat
     return out
 
 
+def test_rows_whose_guesses_fail_stop_drafting_after_them_and_keep_their_tokens(pair, monkeypatch):
+    """A guesser whose drafts continue each row's greedy text but whose guess of the token in
+    flight is always wrong: every draft made after a guess is rejected, so adaptive K prices
+    them with the row's rate of right guesses and soon drafts none there. The tokens are K = 0's."""
+    from engine.prompt_lookup import ContextIndex
+
+    requests = [request(5 + 2 * i, k=4, max_new=40) for i in range(3)]
+    truth = {
+        tuple(r.prompt_token_ids): tokens for r, (tokens, _) in zip(requests, run(pair, requests, "off"), strict=True)
+    }
+
+    def guess(self, k, tail=()):
+        context = [*self.tokens, *tail]
+        prompt = max((p for p in truth if tuple(context[: len(p)]) == p), key=len)
+        emitted, greedy = context[len(prompt) :], truth[prompt]
+        if k == 1:  # the guess of the token in flight (drafts are asked for 4)
+            return [(greedy[len(emitted)] + 1) % 90 if len(emitted) < len(greedy) else 3], 2
+        return (greedy[len(emitted) :][:k] if greedy[: len(emitted)] == emitted else [5] * k), 2
+
+    monkeypatch.setattr(ContextIndex, "match", guess)
+    ahead = run(pair, requests, "on", method="prompt-lookup")
+    assert [tokens for tokens, _ in ahead] == list(truth.values())
+    drafted = sum(s.draft_tokens for s in run.stats)
+    assert drafted < 100, drafted  # fresh rows' and probes' drafts (36), not 4 a step (357 unpriced)
+
+
 def test_rows_cancelled_while_a_step_drafting_ahead_is_in_flight_give_back_their_blocks(pair):
     requests = [request(5, k=4, max_new=40), looping(2, max_new=40), request(9, k=4, max_new=40)]
     whole = run(pair, requests, "on", method="prompt-lookup")
