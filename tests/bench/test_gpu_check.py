@@ -38,6 +38,9 @@ def check(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
     command += ["--only", "speedup,acceptance,serve-tests,api", "--budget", "serve-tests=1"]
     command += ["--baseline-tree", str(ROOT)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # beside the test workers, not spinning against them
+    # a node flag's default the results file must name (no effect: async scheduling is off on a
+    # CPU), and a secret it must not
+    env |= {"PDSPEC_DECODE_SPECULATE_AHEAD": "on", "PDSPEC_BENCH_SECRET": "hunter2"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=420, env=env)
     (results,) = out.glob("gpu-check-cpu-*.json")
     return done, json.loads(results.read_text()), results
@@ -52,6 +55,8 @@ def test_the_results_file_names_the_machine_versions_commit_date_and_command(che
     assert "gpu" not in env and env["device"] == "cpu"
     assert path.name == f"gpu-check-cpu-{env['date'][:10]}-{env['commit']}.json"
     assert "gpu_check.py" in env["command"] and "--smoke" in env["command"]
+    # the PDSPEC_* variables the nodes ran under (`pdspec serve` passes them on), no secret
+    assert "PDSPEC_DECODE_SPECULATE_AHEAD=on" in env["command"].split() and "hunter2" not in env["command"]
     assert path.with_suffix(".log").read_text().count("=====") == 5  # two speedup runs, acceptance, serve-tests, api
 
 
@@ -100,16 +105,3 @@ def test_the_first_use_step_runs_with_an_empty_driver_jit_cache(tmp_path):
     assert step["status"] == "passed" and done.returncode == 0, step.get("output_tail")
     cache = Path(step["figures"]["jit_cache"])
     assert cache.name.startswith("jit-cache-") and cache != tmp_path / "the-callers"
-
-
-def test_a_results_file_names_the_pdspec_variables_its_run_served_under_and_no_secret(monkeypatch):
-    """`pdspec serve` passes PDSPEC_* flag defaults to the nodes: the command a results file
-    records starts with them, so the figure can be remade; keys, tokens and certificates stay out."""
-    from bench.harness import environment
-
-    monkeypatch.setenv("PDSPEC_DECODE_SPECULATE_AHEAD", "on")
-    monkeypatch.setenv("PDSPEC_API_KEY", "hunter2")
-    monkeypatch.setenv("PDSPEC_PEER_TOKEN_FILE", "/run/secret")
-    command = environment()["command"]
-    assert "PDSPEC_DECODE_SPECULATE_AHEAD=on" in command.split()
-    assert "hunter2" not in command and "/run/secret" not in command
