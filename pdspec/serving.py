@@ -82,10 +82,11 @@ class NodeShell:
 
         self.service = service
         # The worker pool's bound and its threads' name prefix ("<prefix>_<n>"): its threads
-        # never exit, so a thread count is only meaningful outside it.
+        # live until the node stops, so a thread count is only meaningful outside it.
         self.pool_threads, self.thread_prefix = streams + HEADROOM_THREADS, service.rsplit(".", 1)[-1]
+        self._pool = futures.ThreadPoolExecutor(self.pool_threads, thread_name_prefix=self.thread_prefix)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(self.pool_threads, thread_name_prefix=self.thread_prefix),
+            self._pool,
             options=[("grpc.so_reuseport", 0), *options],
             interceptors=list(interceptors),
         )
@@ -141,6 +142,10 @@ class NodeShell:
             thread.join(SERVING_THREAD_EXIT_S)
             if thread.is_alive():
                 log.warning("gRPC's serving thread %s did not end within %.0f s", thread.name, SERVING_THREAD_EXIT_S)
+        # grpcio leaves the worker pool to its owner: its idle threads would live on in a
+        # process that stops a node and goes on (an embedding service, a test run). Not joined:
+        # a handler still blocked on something the node no longer serves must not hang the stop.
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self._metrics_server:
             self._metrics_server.shutdown()
 

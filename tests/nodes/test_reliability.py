@@ -395,7 +395,7 @@ def test_rss_and_threads_flat_after_cancels_and_deadlines(pair):
             f"{threads0} -> {threads1} (warm-up {sizes}), pools (threads, bound) {pools}"
         )
         assert codes <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
-        assert rss1 <= rss0 * 1.10 and threads1 <= threads0 * 1.10
-        assert all(0 < threads <= bound for threads, bound in pools.values())
+        assert rss1 <= rss0 * 1.10 and threads1 <= threads0 * 1.10, (rss0, rss1, threads0, threads1)
+        assert all(0 < threads <= bound for threads, bound in pools.values()), pools
         wait_until(lambda: prefill.service.in_flight == 0, timeout=10, what="prefill calls ended")
         assert decode.engine.load == 0

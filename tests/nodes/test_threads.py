@@ -103,3 +103,18 @@ def test_torch_threads_flag(monkeypatch):
     assert prefill_args([]).torch_threads == 1
     with pytest.raises(SystemExit):
         decode_args(["--torch-threads", "-1"])
+
+
+def test_stopped_nodes_leave_no_worker_threads(pair):
+    """A node stopped in a process that goes on (an embedding service, a test run) ends its gRPC
+    worker pool: grpcio leaves the executor it was given to its owner, whose idle threads
+    otherwise live as long as the process (one more per request served at once, per node)."""
+
+    def workers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith(("PrefillService_", "DecodeService_"))}
+
+    before = workers()  # any a node outside this test left (none, once every node ends its own)
+    with cluster(pair) as (client, _, _), futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: client.generate("def ", max_new_tokens=4, seed=i, timeout=30), range(4)))
+        assert workers() - before
+    wait_until(lambda: not workers() - before, timeout=30, what="the stopped nodes' worker threads to end")
