@@ -42,6 +42,9 @@ last (while the machine is warm, /tmp keeps what the earlier ones left):
     make gpu-check GPU_CHECK_FLAGS="--out $OUT --only first-use,serve-tests,speedup,acceptance,e2e"
     (+ " --baseline-tree .carry/base")
   The steps take calls 2 and 3: together they outlast one call's 10 minutes.
+  A node flag's A/B through the OpenAI API, call 2 as above with
+    --only api --api-variant ahead:PDSPEC_DECODE_SPECULATE_AHEAD=on --api-variant sync:
+    --api-batches 1,16 --budget api=240   (each variant a fresh pair of nodes)
   Without make: `python3 bench/gpu_check.py --stash`, and for a check
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
     --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 bench/gpu_check.py --out $OUT ...
@@ -276,21 +279,44 @@ def e2e_step(args: argparse.Namespace, scratch: Path) -> tuple[list[Run], Callab
 
 def api_step(args: argparse.Namespace, scratch: Path, budget: float) -> tuple[list[Run], Callable]:
     """bench/api_speedup.py as users meet it: `pdspec serve` with the launcher's defaults on
-    SmolLM2 (--smoke: the built-in pair), default against K = 0 through the OpenAI API."""
-    rows = scratch / "api.json"
+    SmolLM2 (--smoke: the built-in pair), default against K = 0 through the OpenAI API; once per
+    --api-variant, each a fresh pair of nodes under its PDSPEC_* variables (a node flag's A/B)."""
+    variants = [parse_variant(v) for v in args.api_variant or ["default:"]]
     if args.smoke:
         flags, env = ["--smoke", "--batches", "1,2", "--temperatures", "0", "--rounds", "2"], {}
     else:
-        flags = ["--device", args.device, "--batches", "1,16,64", "--temperatures", "0,0.7", "--rounds", "2"]
+        flags = ["--device", args.device, "--batches", args.api_batches, "--temperatures", "0,0.7", "--rounds", "2"]
         flags += ["--prompts-per-group", "4", "--max-new-tokens", "128", "--start-timeout", "150"]
         flags += ["--budget", str(max(0, budget - API_MARGIN))]
         env = {"PDSPEC_TARGET_MODEL": str(args.smollm2)}
-    command = [sys.executable, str(BENCH / "api_speedup.py"), *flags, "--json", str(rows)]
+    runs = [
+        Run(
+            [sys.executable, str(BENCH / "api_speedup.py"), *flags, "--json", str(scratch / f"api-{label}.json")],
+            ROOT,
+            env | variables,
+        )
+        for label, variables in variants
+    ]
 
     def figures(done: list[dict]) -> dict:
-        return json.loads(rows.read_text()) if rows.is_file() else {}
+        found = []
+        for label, variables in variants:
+            rows = scratch / f"api-{label}.json"
+            found.append(
+                {"label": label, "variables": variables} | (json.loads(rows.read_text()) if rows.is_file() else {})
+            )
+        return {"runs": found}
 
-    return [Run(command, ROOT, env)], figures
+    return runs, figures
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """--api-variant LABEL:NAME=VALUE,... (LABEL: alone, no variables) -> (label, variables)."""
+    label, sep, rest = text.partition(":")
+    pairs = [item.partition("=") for item in filter(None, rest.split(","))]
+    if not sep or not label.isidentifier() or any(not name.startswith("PDSPEC_") or not eq for name, eq, _ in pairs):
+        raise ValueError(f"--api-variant: expected LABEL:PDSPEC_NAME=VALUE,... (LABEL: for none), got {text!r}")
+    return label, {name: value for name, _, value in pairs}
 
 
 def speedup_step(args: argparse.Namespace, scratch: Path) -> tuple[list[Run], Callable]:
@@ -494,7 +520,18 @@ def main() -> None:
     parser.add_argument("--prep", action="store_true", help="here: download the wheels, split the GGUF, then stop")
     parser.add_argument("--base", help="with --prep: a revision to pack as .carry/base for --baseline-tree")
     parser.add_argument("--stash", action="store_true", help="there: keep the carried GGUF parts in /tmp, then stop")
+    parser.add_argument(
+        "--api-variant",
+        action="append",
+        help="api: one run per LABEL:PDSPEC_NAME=VALUE,... (the nodes' variables; default: one run, none)",
+    )
+    parser.add_argument("--api-batches", default="1,16,64", help="api: the batches measured")
     args = parser.parse_args()
+    try:
+        for variant in args.api_variant or ():
+            parse_variant(variant)
+    except ValueError as err:
+        parser.error(str(err))
     if args.prep:
         prep(args.base)
         return
@@ -611,12 +648,25 @@ def summary(steps: list[dict]) -> str:
             )
         elif s["step"] == "acceptance" and figures.get("rows"):
             shown = ", ".join(f"B={r['batch']} α={r['alpha']} {r['speedup']:.2f}x" for r in figures["rows"] if r["k"])
+        elif s["step"] == "api" and figures.get("runs"):
+            shown = "; ".join(
+                f"{r['label']}: " + ", ".join(f"B={b} {m:.2f}x" for b, m in api_medians(r.get("rows", [])).items())
+                for r in figures["runs"]
+            )
         elif s["step"] == "e2e" and figures.get("rows"):
             shown = ", ".join(f"{r['batch']} streams {r['tokens_per_s']:.0f} tokens/s" for r in figures["rows"])
         else:
             shown = s.get("reason", "")
         table.append([s["step"], s["status"], s.get("seconds", ""), s["budget_s"], shown])
     return markdown_table(["step", "status", "seconds", "budget s", "figures"], table)
+
+
+def api_medians(rows: list[dict]) -> dict[int, float]:
+    """Per batch, the median over groups and temperatures of the steady default / K = 0 ratio."""
+    batches: dict[int, list[float]] = {}
+    for row in rows:
+        batches.setdefault(row["batch"], []).append(row["ratio_steady"])
+    return {batch: statistics.median(ratios) for batch, ratios in sorted(batches.items())}
 
 
 if __name__ == "__main__":

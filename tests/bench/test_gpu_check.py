@@ -36,7 +36,7 @@ def check(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
     out = tmp_path_factory.mktemp("gpu-check")
     command = [sys.executable, str(SCRIPT), "--device", "cpu", "--smoke", "--out", str(out)]
     command += ["--only", "speedup,acceptance,serve-tests,api", "--budget", "serve-tests=1"]
-    command += ["--baseline-tree", str(ROOT)]
+    command += ["--baseline-tree", str(ROOT), "--api-variant", "ahead:PDSPEC_DECODE_SPECULATE_AHEAD=on"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # beside the test workers, not spinning against them
     # a node flag's default the results file must name (no effect: async scheduling is off on a
     # CPU), and a secret it must not
@@ -73,7 +73,9 @@ def test_each_step_is_run_skipped_or_killed_at_its_budget(check):
     rows = steps["acceptance"]["figures"]["rows"]
     assert [r["k"] for r in rows] == [0, 4] and all(r["outputs_equal_k0"] for r in rows)
     assert steps["api"]["status"] == "passed", steps["api"].get("output_tail")
-    api = steps["api"]["figures"]["rows"]
+    (run,) = steps["api"]["figures"]["runs"]  # one --api-variant: its nodes under its variables
+    assert run["label"] == "ahead" and run["variables"] == {"PDSPEC_DECODE_SPECULATE_AHEAD": "on"}
+    api = run["rows"]
     assert [r["batch"] for r in api if r["group"] == "chat"] == [1, 2]
     assert all(r["tokens_per_s_default"] > 0 and r["tokens_per_s_k0"] > 0 for r in api)
 
@@ -105,3 +107,14 @@ def test_the_first_use_step_runs_with_an_empty_driver_jit_cache(tmp_path):
     assert step["status"] == "passed" and done.returncode == 0, step.get("output_tail")
     cache = Path(step["figures"]["jit_cache"])
     assert cache.name.startswith("jit-cache-") and cache != tmp_path / "the-callers"
+
+
+@pytest.mark.parametrize("variant", ["ahead", "ahead:SPECULATE_AHEAD=on", "ahead:PDSPEC_X", "a-b:PDSPEC_X=1"])
+def test_a_malformed_api_variant_is_the_parsers_error(variant):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--only", "api", "--api-variant", variant],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "--api-variant" in done.stderr and repr(variant) in done.stderr
