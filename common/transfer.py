@@ -17,10 +17,13 @@ KV import and the engine all go through this one implementation (docs/design.md 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Asked once: torch.cuda.is_available() reads the environment and NVML on every call (~7 us,
@@ -81,6 +84,62 @@ def shared_tensor(values, dtype: torch.dtype, device: torch.device | str) -> tor
 @functools.lru_cache(maxsize=64)
 def _shared(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return device_tensor(values, dtype, device)
+
+
+class Staging:
+    """Many small host -> device inputs in ONE copy: each field is a typed view of one device
+    buffer (a captured graph's static inputs), written on the host into a mirror of that buffer
+    and sent with `send`. The mirrors are pinned (a GPU), so the copy is queued like a kernel and
+    no pinned staging buffer is allocated per step. They take turns, and one is written again
+    only once the copy from it has run (its event), since the host fills the next inputs while
+    the device may still be behind: where the next one's copy is still queued (a draft chain
+    replays one graph at every depth of a step, and the host runs a step ahead), another mirror
+    joins the ring, up to MIRRORS, so the host waits only beyond that. Fields are laid out in
+    order, each at a multiple of ALIGN bytes."""
+
+    ALIGN = 16
+    MIRRORS = 16
+
+    def __init__(self, fields: Sequence[tuple[str, tuple[int, ...], torch.dtype]], device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._layout, end = [], 0
+        for name, shape, dtype in fields:
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            self._layout.append((name, shape, dtype, end, size))
+            end += -(-size // self.ALIGN) * self.ALIGN
+        self.nbytes = end
+        self._buffer = torch.zeros(end, dtype=torch.uint8, device=self.device)
+        self.fields = self._views(self._buffer)  # on the device: what the consumer reads
+        # made as needed: a graph never replayed pins nothing
+        self._mirrors: list[torch.Tensor] = []
+        self._host: list[dict[str, np.ndarray]] = []
+        self._sent: list[torch.cuda.Event | None] = []
+        self._next = 0
+
+    def _views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: buffer[at : at + size].view(dtype).view(shape) for name, shape, dtype, at, size in self._layout}
+
+    def host(self) -> dict[str, np.ndarray]:
+        """The next mirror's fields (numpy views of it) to write this step's inputs into."""
+        sent = self._sent[self._next] if self._mirrors else None
+        if not self._mirrors or (sent is not None and not sent.query() and len(self._mirrors) < self.MIRRORS):
+            mirror = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            self._mirrors.insert(self._next, mirror)
+            self._host.insert(self._next, {name: v.numpy() for name, v in self._views(mirror).items()})
+            self._sent.insert(self._next, None)
+        elif sent is not None:
+            sent.synchronize()  # every mirror's copy still queued: the device is MIRRORS copies behind
+        return self._host[self._next]
+
+    def send(self) -> None:
+        """The mirror `host` returned, copied to the device fields (queued on the current
+        stream: work queued after this reads the new values)."""
+        self._buffer.copy_(self._mirrors[self._next], non_blocking=True)
+        if self.device.type == "cuda":
+            event = self._sent[self._next] or torch.cuda.Event()
+            event.record()
+            self._sent[self._next] = event
+        self._next = (self._next + 1) % len(self._mirrors)
 
 
 @dataclass(frozen=True)

@@ -226,17 +226,29 @@ class Shift:
     queries: torch.Tensor  # [N] int64 on the device: its query index within the row
     at: torch.Tensor  # [N] int64 on the device: where the token sits in the flattened inputs
 
+    @staticmethod
+    def layout(
+        seqs: Sequence[PagedSeq], lengths: Sequence[int], blocks: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Host arrays of a shift: each real token's row [N] and query index within it [N], and
+        the rows' block tables [R, B] (0 past a row's blocks; `blocks`: at most that many
+        columns, as many as the forward's keys span)."""
+        rows = np.repeat(np.arange(len(lengths)), lengths)  # [N]
+        queries = np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # [N]
+        longest = max(len(s.blocks) for s in seqs)
+        tables = np.zeros((len(seqs), longest if blocks is None else min(longest, blocks)), dtype=np.int64)  # [R, B]
+        for r, seq in enumerate(seqs):
+            row = seq.blocks[: tables.shape[1]]
+            tables[r, : len(row)] = row
+        return rows, queries, tables
+
     @classmethod
     def build(
         cls, by: torch.Tensor, seqs: Sequence[PagedSeq], lengths: Sequence[int], at: torch.Tensor | None
     ) -> Shift:
         """`at` [N] host: each real token's place in the inputs (a graph bucket's padded
         layout), None: flattened in row order. One host -> device copy."""
-        rows = np.repeat(np.arange(len(lengths)), lengths)  # [N]
-        queries = np.concatenate([np.arange(n) for n in lengths])  # [N]
-        tables = np.zeros((len(seqs), max(len(s.blocks) for s in seqs)), dtype=np.int64)  # [R, B]
-        for r, seq in enumerate(seqs):
-            tables[r, : len(seq.blocks)] = seq.blocks
+        rows, queries, tables = cls.layout(seqs, lengths)
         places = np.arange(len(rows)) if at is None else at.numpy()
         packed = to_device(torch.from_numpy(np.concatenate([rows, queries, places, tables.reshape(-1)])), by.device)
         n = len(rows)

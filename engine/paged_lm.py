@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from common.graphs import bucket, capture_graph
-from common.transfer import HostCopy, pinned, shared_tensor, to_device, to_host_async
+from common.transfer import HostCopy, Staging, shared_tensor, to_device, to_host_async
 from engine.device import on_device, serve_attention_without_cudnn
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, Shift, batch_meta
 from engine.options import ATTENTION_BACKENDS, MAX_GRAPH_QUERIES
@@ -100,59 +100,101 @@ def padded_places(lengths: Sequence[int], queries: int) -> torch.Tensor:
     return torch.from_numpy(np.flatnonzero(valid))
 
 
-def pad_rows(values: torch.Tensor, place: torch.Tensor, size: int, fill: int = 0) -> torch.Tensor:
-    """[size]: `values` [N] at `place` [N] (on values' device), `fill` elsewhere (padding
-    tokens: position 0, row length 1, writing the scratch slot)."""
-    out = torch.full((size,), fill, dtype=values.dtype, device=values.device)
-    return out.index_copy_(0, place, values)
-
-
 class _Graph:
-    """One captured forward and its static inputs/outputs. The integer inputs are views of ONE
-    device buffer, so that a replay's inputs arrive in one host -> device copy (and the mask
-    in a second): each copy costs the host more than the data does."""
+    """One captured forward and its static inputs/outputs. The inputs that change per replay
+    are fields of ONE `Staging` buffer, so that they arrive in one host -> device copy (each
+    copy costs the host more than its data does), together with the tables of a shift
+    (engine/kv_cache.Shift) where the batch drafted ahead; the query order is fixed per graph
+    (padded row-major: flat = query_index = arange)."""
 
-    def __init__(self, rows: int, queries: int, width: int, device) -> None:
+    def __init__(self, rows: int, queries: int, width: int, block_size: int, device) -> None:
         n = rows * queries
-        # positions, seq_lens, new_slots, key_slots, key_count, query_index, flat, tokens
-        sizes = (n, n, n, rows * width, rows, n, n, n)
-        self.ints = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
-        parts = self.ints.split(sizes)
-        self.positions, self.seq_lens, new_slots, key_slots, key_count, query_index, flat, self.tokens = parts
-        self.seq_lens.fill_(1)
-        key_count.fill_(width)
-        query_index.copy_(torch.arange(n, device=device))  # made on the device: no host wait at a capture
-        flat.copy_(torch.arange(n, device=device))
-        self.meta = BatchMeta(
-            new_slots=new_slots,  # the scratch slot
-            key_slots=key_slots.view(rows, width),
-            key_count=key_count,
-            mask=torch.ones(rows, 1, queries, width, dtype=torch.bool, device=device),
-            query_index=query_index.view(rows, queries),
-            flat=flat,
+        i64 = torch.int64
+        self.staging = Staging(
+            [
+                ("positions", (n,), i64),
+                ("seq_lens", (n,), i64),
+                ("new_slots", (n,), i64),
+                ("key_slots", (rows, width), i64),
+                ("key_count", (rows,), i64),
+                ("tokens", (n,), i64),
+                ("mask", (rows, 1, queries, width), torch.bool),
+                ("shift_rows", (n,), i64),  # a shift's [N] arrays and [R, B] block tables, B <= blocks
+                ("shift_queries", (n,), i64),
+                ("shift_at", (n,), i64),
+                ("shift_tables", (rows * -(-width // block_size),), i64),
+            ],
+            device,
         )
-        self.graph = torch.cuda.CUDAGraph()
+        self.blocks = -(-width // block_size)  # the block-table columns the keys of a bucket span
+        fields = self.staging.fields
+        self.positions, self.seq_lens, self.tokens = fields["positions"], fields["seq_lens"], fields["tokens"]
+        # capture with scratch-only inputs: positions 0, new and key slots the scratch slot (0),
+        # rows of length 1 attending to every (scratch) key
+        self.seq_lens.fill_(1)
+        fields["key_count"].fill_(width)
+        fields["mask"].fill_(True)
+        order = torch.arange(n, device=device)  # made on the device: no host wait at a capture
+        self.meta = BatchMeta(
+            new_slots=fields["new_slots"],
+            key_slots=fields["key_slots"],
+            key_count=fields["key_count"],
+            mask=fields["mask"],
+            query_index=order.view(rows, queries),
+            flat=order,
+        )
+        self.graph: torch.cuda.CUDAGraph | None = None  # captured by PagedLlamaLM._capture
         self.logits: torch.Tensor | None = None
         self.features: torch.Tensor | None = None  # [rows * queries, F]: a target feeding a hidden-state draft
 
-    def fill(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, meta: BatchMeta) -> None:
-        """Host inputs in one copy each (queued: the host does not wait); `tokens` may already
-        be on the device (drafting), then it is copied there."""
-        parts = [
-            positions,
-            seq_lens,
-            meta.new_slots,
-            meta.key_slots.reshape(-1),
-            meta.key_count,
-            meta.query_index.reshape(-1),
-            meta.flat,
-        ]
-        on_host = tokens.device.type == "cpu"
-        host = torch.cat([*parts, tokens] if on_host else parts)
-        self.ints[: host.numel()].copy_(pinned(host), non_blocking=True)
+    def fill(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: torch.Tensor,
+        meta: BatchMeta,
+        place: np.ndarray,
+        at: torch.Tensor,
+        shift: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    ) -> None:
+        """A replay's inputs in one copy (queued: the host does not wait): the real tokens'
+        `positions`, `seq_lens` and, on the host, `tokens` [N] at their padded places `place` [N]
+        (padding: position 0, length 1, token 0), the padded `meta`, and a shift's host arrays
+        (`Shift.layout`). Tokens already on the graph's device (drafting) go to their places
+        `at` (the same, there) after the copy."""
+        host = self.staging.host()
+        host["positions"].fill(0)
+        host["positions"][place] = positions.numpy()
+        host["seq_lens"].fill(1)
+        host["seq_lens"][place] = seq_lens.numpy()
+        host["new_slots"][:] = meta.new_slots.numpy()
+        host["key_slots"][:] = meta.key_slots.numpy()
+        host["key_count"][:] = meta.key_count.numpy()
+        host["mask"][:] = meta.mask.numpy()
+        host["tokens"].fill(0)
+        on_host = tokens.device != self.tokens.device
+        if on_host:
+            host["tokens"][place] = tokens.numpy()
+        if shift is not None:
+            rows, queries, tables = shift
+            n = len(rows)
+            host["shift_rows"][:n], host["shift_queries"][:n], host["shift_at"][:n] = rows, queries, place
+            host["shift_tables"][: tables.size] = tables.reshape(-1)
+        self.staging.send()
         if not on_host:
-            self.tokens.copy_(tokens)
-        self.meta.mask.copy_(pinned(meta.mask), non_blocking=True)
+            self.tokens.index_copy_(0, at, tokens)  # after the copy: on the same stream
+
+    def shifted(self, by: torch.Tensor, layout: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Shift:
+        """The `Shift` by `by` [R] (device) whose host arrays `layout` the last `fill` sent."""
+        rows, _, tables = layout
+        n, fields = len(rows), self.staging.fields
+        return Shift(
+            by,
+            fields["shift_tables"][: tables.size].view(tables.shape),
+            fields["shift_rows"][:n],
+            fields["shift_queries"][:n],
+            fields["shift_at"][:n],
+        )
 
 
 def attention_backend(choice: str, device: torch.device, eager: bool) -> str:
@@ -342,8 +384,8 @@ class PagedLlamaLM(ChunkedImport):
 
     def _replay(self, key, seqs, lengths, tokens, positions, seq_lens, masks, shift=None) -> torch.Tensor:
         """The forward of a batch through the graph `key` (captured on first use), its rows
-        padded to the key's shape (`pad_rows`), moved by `shift` on the device once its inputs
-        are filled; the outputs of the real tokens, flattened."""
+        padded to the key's shape (`_Graph.fill`), moved by `shift` on the device once its
+        inputs are filled; the outputs of the real tokens, flattened."""
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = self._capture(*key)
@@ -361,15 +403,10 @@ class PagedLlamaLM(ChunkedImport):
         )
         place = padded_places(lengths, queries)  # [N]
         at = shared_tensor(place.tolist(), torch.int64, self.device)  # a batch's steps repeat it: no copy
-        size = rows * queries
-        graph.fill(
-            pad_rows(tokens, at if tokens.device.type != "cpu" else place, size),  # drafting: on the device
-            pad_rows(positions, place, size),
-            pad_rows(seq_lens, place, size, fill=1),
-            meta,
-        )
+        layout = None if shift is None else Shift.layout(seqs, lengths, graph.blocks)
+        graph.fill(tokens, positions, seq_lens, meta, place.numpy(), at, layout)
         if shift is not None:
-            Shift.build(shift, seqs, lengths, place).apply(
+            graph.shifted(shift, layout).apply(
                 graph.positions, graph.seq_lens, graph.meta, self.pool.block_size, self.config.sliding_window
             )
         graph.graph.replay()
@@ -381,7 +418,7 @@ class PagedLlamaLM(ChunkedImport):
     def _capture(self, rows: int, queries: int, width: int) -> _Graph:
         """Capture with scratch-only inputs (padding everywhere): capture and its warm-up
         write nothing but the scratch block."""
-        graph = _Graph(rows, queries, width, self.device)
+        graph = _Graph(rows, queries, width, self.pool.block_size, self.device)
 
         def forward() -> torch.Tensor:
             return self.module(
@@ -394,6 +431,7 @@ class PagedLlamaLM(ChunkedImport):
                 features_at=self.feature_layers,
             )
 
+        graph.graph = torch.cuda.CUDAGraph()
         out = capture_graph(graph.graph, self._graph_pool, self.device, forward)
         graph.logits, graph.features = out if isinstance(out, tuple) else (out, None)
         return graph

@@ -414,6 +414,36 @@ def test_pinned_exports_are_bounded_and_released():
     assert transfer.to_host_async(x, limit).done is not None
 
 
+@pytest.mark.parametrize("mirrors", [2, 16])
+def test_staged_inputs_arrive_whole_while_the_device_is_behind(mirrors):
+    """`Staging`: with the stream busy (a long kernel queued), a mirror is written again only
+    once the copy queued from it has run, so every copy delivers what was written for it: the
+    ring grows instead of waiting (up to MIRRORS), and waits beyond that. The fields arrive
+    with their dtypes and shapes, and the mirrors are pinned."""
+    from common.transfer import Staging
+
+    staging = Staging([("ints", (3,), torch.int64), ("mask", (2, 5), torch.bool), ("x", (4,), torch.float32)], "cuda")
+    staging.MIRRORS = mirrors
+    snapshots = []
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: every copy below queues behind it
+    for value in range(1, 6):
+        host = staging.host()
+        host["ints"][:] = value
+        host["mask"][:] = value % 2 == 1
+        host["x"][:] = value / 2
+        staging.send()
+        snapshots.append({name: field.clone() for name, field in staging.fields.items()})
+    grown = len(staging._mirrors)
+    torch.cuda.synchronize()
+    for value, snap in enumerate(snapshots, start=1):
+        assert snap["ints"].tolist() == [value] * 3 and snap["ints"].dtype == torch.int64
+        assert snap["mask"].shape == (2, 5) and bool(snap["mask"].all()) == (value % 2 == 1)
+        assert snap["x"].tolist() == [value / 2] * 4
+    assert grown == min(mirrors, 5) and all(mirror.is_pinned() for mirror in staging._mirrors)
+    staging.host()  # every copy has run: the ring is reused, not grown
+    assert len(staging._mirrors) == grown
+
+
 def test_an_import_into_freed_slots_follows_the_work_queued_on_them():
     """Slots freed while the compute stream still has work queued on them (an async step in
     flight, the KV move of a request that just left) may go to an import at once: the import's

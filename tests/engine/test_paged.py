@@ -211,11 +211,13 @@ def test_graph_bucket_padding_changes_no_real_row(models):
 
 def test_a_ragged_batch_padded_into_a_graph_bucket_changes_no_real_row(models):
     """Rows bringing 3, 1 and 2 tokens, padded the way a replay fills a (4 rows, 4 queries)
-    graph (each row's tokens first in its places, padding queries and the padding row on the
-    scratch slot): the real tokens' logits are the unpadded ones, and the next tokens of every
-    row find the KV this forward wrote."""
+    graph's inputs (`_Graph.fill`: each row's tokens first in its places, padding queries and the
+    padding row on the scratch slot, everything in one staged copy): the real tokens' logits are
+    the unpadded ones, and the next tokens of every row find the KV this forward wrote. The
+    inputs are filled twice, the first time with another batch: the second fill writes the other
+    host mirror, and nothing of the first is left in the inputs."""
     from engine.kv_cache import PagedBatch, batch_meta
-    from engine.paged_lm import pad_rows, padded_places
+    from engine.paged_lm import _Graph, padded_places
 
     contiguous, paged = models
     vocab = contiguous.vocab_size
@@ -228,18 +230,33 @@ def test_a_ragged_batch_padded_into_a_graph_bucket_changes_no_real_row(models):
     want = contiguous.extend_batch([c for c, _ in pairs], feed)
     seqs = [p.kv for _, p in pairs]
     past = [s.length for s in seqs]
-    place = padded_places(lengths, 4)
+    graph = _Graph(4, 4, 256, paged.pool.block_size, "cpu")
+    window = paged.config.sliding_window
+    # two other batches first (rows of 4 tokens where this one pads): the last fill writes the
+    # first one's mirror again, so what the first wrote must not be left there
+    for batch in ([[3, 2, 1, 4], [1, 2, 3, 4], [7]], [[1], [2]], feed):
+        sizes = [len(row) for row in batch]
+        place = padded_places(sizes, 4)
+        meta = batch_meta(paged.pool, seqs[: len(batch)], sizes, window, rows=4, width=256, queries=4, padded=True)
+        graph.fill(
+            torch.tensor([t for row in batch for t in row]),
+            torch.tensor([p + i for p, n in zip(past[: len(sizes)], sizes, strict=True) for i in range(n)]),
+            torch.tensor([p + n for p, n in zip(past[: len(sizes)], sizes, strict=True) for _ in range(n)]),
+            meta,
+            place.numpy(),
+            place,
+        )
     assert place.tolist() == [0, 1, 2, 4, 8, 9]
-    meta = batch_meta(paged.pool, seqs, lengths, paged.config.sliding_window, rows=4, width=256, queries=4, padded=True)
-    tokens = pad_rows(torch.tensor([t for row in feed for t in row]), place, 16)
-    positions = pad_rows(torch.tensor([p + i for p, n in zip(past, lengths, strict=True) for i in range(n)]), place, 16)
-    seq_lens = pad_rows(
-        torch.tensor([p + n for p, n in zip(past, lengths, strict=True) for _ in range(n)]), place, 16, fill=1
-    )
+    tokens, positions, seq_lens = graph.tokens, graph.positions, graph.seq_lens
     assert tokens.tolist()[:6] == [5, 6, 7, 0, 8, 0] and seq_lens[3].item() == 1 and positions[3].item() == 0
+    assert tokens[12:].tolist() == [0] * 4 and seq_lens[12:].tolist() == [1] * 4  # the padding row
     with torch.inference_mode():
         padded = paged.module(
-            tokens, positions, PagedBatch(paged.pool, meta, dense=True), num_layers=paged.num_layers, seq_lens=seq_lens
+            tokens,
+            positions,
+            PagedBatch(paged.pool, graph.meta, dense=True),
+            num_layers=paged.num_layers,
+            seq_lens=seq_lens,
         )
     for row, got in enumerate(padded[place].split(lengths)):
         assert_fp_close(got.float(), want[row], model_roundings(contiguous))
@@ -260,7 +277,7 @@ def test_a_shifted_chain_forward_is_the_forward_at_the_rows_true_lengths(models,
     saw the kept tokens, eagerly and in a graph bucket's padded layout (rows padded to 4, 4
     queries a row); once the host drops the rejected drafts, the next token finds the right KV."""
     from engine.kv_cache import PagedBatch, Shift, batch_meta
-    from engine.paged_lm import pad_rows, padded_places
+    from engine.paged_lm import _Graph, padded_places
 
     contiguous, paged = models
     vocab = contiguous.vocab_size
@@ -279,28 +296,32 @@ def test_a_shifted_chain_forward_is_the_forward_at_the_rows_true_lengths(models,
     by = torch.tensor([a - 3 for a in kept])
     if layout == "eager":
         got = paged.extend_batch(states, feed, shift=by)
-    else:
+    else:  # as a replay fills a graph's inputs: the shift's tables staged in the same copy
         seqs = [sp.kv for sp in states]
         place = padded_places(lengths, 4)
-        meta = batch_meta(paged.pool, seqs, lengths, paged.config.sliding_window, rows=4, width=256, queries=4)
+        window = paged.config.sliding_window
+        meta = batch_meta(paged.pool, seqs, lengths, window, rows=4, width=256, queries=4, padded=True)
         past = [s.length for s in seqs]
-        positions = pad_rows(
-            torch.tensor([p + i for p, n in zip(past, lengths, strict=True) for i in range(n)]), place, 16
+        graph = _Graph(4, 4, 256, paged.pool.block_size, "cpu")
+        shift = Shift.layout(seqs, lengths, graph.blocks)
+        graph.fill(
+            torch.tensor([t for row in feed for t in row]),
+            torch.tensor([p + i for p, n in zip(past, lengths, strict=True) for i in range(n)]),
+            torch.tensor([p + n for p, n in zip(past, lengths, strict=True) for _ in range(n)]),
+            meta,
+            place.numpy(),
+            place,
+            shift,
         )
-        seq_lens = pad_rows(
-            torch.tensor([p + n for p, n in zip(past, lengths, strict=True) for _ in range(n)]), place, 16, fill=1
-        )
-        tokens = pad_rows(torch.tensor([t for row in feed for t in row]), place, 16)
-        Shift.build(by, seqs, lengths, place).apply(
-            positions, seq_lens, meta, paged.pool.block_size, paged.config.sliding_window
-        )
+        positions, seq_lens = graph.positions, graph.seq_lens
+        graph.shifted(by, shift).apply(positions, seq_lens, graph.meta, paged.pool.block_size, window)
         assert positions[place].tolist()[:3] == [len(prompts[0]) + 4 + i for i in range(3)]
         assert positions[4].item() == len(prompts[1]) + 1  # row 1 kept x alone
         with torch.inference_mode():
             out = paged.module(
-                tokens,
+                graph.tokens,
                 positions,
-                PagedBatch(paged.pool, meta, dense=True),
+                PagedBatch(paged.pool, graph.meta, dense=True),
                 num_layers=paged.num_layers,
                 seq_lens=seq_lens,
             )
