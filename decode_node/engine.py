@@ -505,7 +505,7 @@ class DecodeEngine:
     def _chose(self, seq: Sequence, depth: int) -> None:
         seq.stats.chosen_k[depth] += 1
         if self.metrics:
-            self.metrics.chosen_k.labels(self.proposer.method).observe(depth)
+            self.metrics.record_chosen(self.proposer.method, depth)
 
     def _advance(self, request: Request, emitted: list[int], logprobs: list[TokenLogprob]) -> None:
         seq = request.seq
