@@ -173,29 +173,31 @@ def batch_meta(
     live[real:] = 0
     width = width or int(live.max())
     queries = queries or max(new_lengths)
-    longest = max(len(s.blocks) for s in seqs)
-    tables = np.zeros((rows, longest), dtype=np.int64)  # [R, B]; padding rows: block 0, the scratch block
+    # The block tables as far as the keys reach (a row's blocks past the width are never read);
+    # padding rows: block 0, the scratch block.
+    cols = -(-width // bs)
+    tables = np.zeros((rows, cols), dtype=np.int64)  # [R, C]
     for r, seq in enumerate(seqs):
-        tables[r, : len(seq.blocks)] = seq.blocks
-    row_index = np.arange(rows)[:, None]  # [R, 1]
-
-    def slots_of(pos: np.ndarray) -> np.ndarray:
-        return tables[row_index, np.minimum(pos // bs, longest - 1)] * bs + pos % bs
-
+        blocks = seq.blocks[:cols]
+        tables[r, : len(blocks)] = blocks
+    # every slot of every listed block, in position order: a broadcast, not a gather per key
+    slots = (tables[:, :, None] * bs + np.arange(bs)).reshape(rows, cols * bs)[:, :width]  # [R, W]
     key_pos = np.arange(width)  # [W]
-    key_slots = np.where(key_pos[None, :] < live[:, None], slots_of(key_pos[None, :]), scratch)  # [R, W]
+    key_slots = np.where(key_pos[None, :] < live[:, None], slots, scratch)  # [R, W]
     offset = np.arange(queries)[None, :]  # [1, Q]
     query_pos = np.where(offset < new[:, None], past[:, None] + offset, -1)  # [R, Q]; -1 = padding
     query_pos[real:] = -1
     valid = query_pos >= 0
-    new_slots = np.where(valid, slots_of(np.maximum(query_pos, 0)), scratch)
-    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < live[:, None, None])
+    # a real query sits below its row's live length, which the width holds
+    new_slots = np.where(valid, slots[np.arange(rows)[:, None], np.maximum(query_pos, 0)], scratch)  # [R, Q]
+    # [R, 1, Q, W]: causal (a real query's keys up to it are live), padding queries see everything
+    allowed = key_pos <= query_pos[:, None, :, None]
     if sliding_window is not None:
-        allowed &= query_pos[:, :, None] - key_pos[None, None, :] < sliding_window
+        allowed &= query_pos[:, None, :, None] - key_pos < sliding_window
     for r, tree in enumerate(tree_masks or ()):
         if tree is not None:
-            allowed[r, : tree.shape[0], : tree.shape[1]] = tree.numpy()
-    allowed |= ~valid[:, :, None]  # padding queries attend to everything: no NaN rows
+            allowed[r, 0, : tree.shape[0], : tree.shape[1]] = tree.numpy()
+    allowed |= ~valid[:, None, :, None]  # padding queries attend to everything: no NaN rows
     if padded or rows > real:  # a graph bucket: tokens in padded (row-major) order
         flat = np.arange(rows * queries)
         query_index = flat.reshape(rows, queries)
@@ -206,7 +208,7 @@ def batch_meta(
         query_index = np.where(valid, starts[:, None] + offset, 0)
         new_slots = new_slots[valid]
     key_count = np.where(np.arange(rows) < real, live, width)  # padding rows attend to all W (scratch) keys
-    arrays = (new_slots, key_slots, key_count, allowed[:, None], query_index, flat)
+    arrays = (new_slots, key_slots, key_count, allowed, query_index, flat)
     return BatchMeta(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
 
 
