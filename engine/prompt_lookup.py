@@ -49,16 +49,19 @@ class ContextIndex:
         if end <= self._indexed:
             return
         toks = self.tokens
-        for n, table in self._last.items():
-            start = max(self._indexed, n - 1)  # position of the last token of the first new n-gram
-            if end - start <= FEW:  # a step's few new tokens: a slice each, no shifted copies
-                for last in range(start, end):
-                    table[tuple(toks[last - n + 1 : last + 1])] = last
-                continue
-            shifted = [toks[start - n + 1 + j : end - n + 1 + j] for j in range(n)]
-            table.update(
-                zip(zip(*shifted, strict=True), range(start, end), strict=True)
-            )  # later positions overwrite: most recent wins
+        if end - self._indexed <= FEW:  # a step's few new tokens: one tuple each, sliced per n
+            for last in range(self._indexed, end):
+                window = tuple(toks[max(0, last - self.hi + 1) : last + 1])  # the n-grams ending at `last`
+                for n, table in self._last.items():
+                    if n <= len(window):
+                        table[window[-n:]] = last
+        else:
+            for n, table in self._last.items():
+                start = max(self._indexed, n - 1)  # position of the last token of the first new n-gram
+                shifted = [toks[start - n + 1 + j : end - n + 1 + j] for j in range(n)]
+                table.update(
+                    zip(zip(*shifted, strict=True), range(start, end), strict=True)
+                )  # later positions overwrite: most recent wins
         self._indexed = end
 
     def match(self, k: int, tail: Sequence[int] = ()) -> tuple[list[int], int]:
@@ -73,13 +76,14 @@ class ContextIndex:
         toks, tail = self.tokens, list(tail)
         size = len(toks) + len(tail)
         hi = min(self.hi, size - 1)
-        suffix = (toks[-hi:] if hi > len(tail) else []) + tail[-hi:]  # the last hi tokens of both, no copy of the rest
+        # the last hi tokens of both, no copy of the rest
+        suffix = tuple((toks[-hi:] if hi > len(tail) else []) + tail[-hi:])
         # Every earlier occurrence of a longer suffix ends with one of the shortest: without that,
         # no n matches (one lookup for the usual step of a row with no match, not one per n).
-        if size <= self.lo or tuple(suffix[-self.lo :]) not in self._last[self.lo]:
+        if size <= self.lo or suffix[-self.lo :] not in self._last[self.lo]:
             return [], 0
         for n in range(hi, self.lo - 1, -1):
-            end = self._last[n].get(tuple(suffix[-n:]))
+            end = self._last[n].get(suffix[-n:])
             if end is not None:  # end < len(toks) - 1: the continuation starts in the context
                 return (toks[end + 1 : end + 1 + k] + tail)[:k], n
         return [], 0
