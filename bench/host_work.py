@@ -1,21 +1,23 @@
 """Host cost per row of a decode step's bookkeeping outside the forward, on the CPU.
 
-    python bench/host_work.py [--root DIR] [--repeat 7]
+    python bench/host_work.py [--baseline DIR] [--repeat 7]
 
 Two per-row costs of every speculating step on the engine thread, each timed alone (median of
-`--repeat` runs, one torch thread), for this checkout or another one (`--root`, a baseline commit
-in a worktree; run both, alternating, to compare):
+`--repeat` runs, one torch thread), for this checkout and, with `--baseline`, another one (a
+baseline commit in a worktree: its modules loaded beside this checkout's, the two timed
+alternately in one process, since a VM's speed drifts between processes):
 * prompt lookup: a row's context grows by 3 tokens (its step emitted them), then two matches
   with drafts after the context (what a row drafting ahead asks: the guess, then its drafts),
   on a 300-token context of 50 distinct tokens;
 * metrics: one verified row recorded on a node's Prometheus series (verify step, source, chosen
   K), 4 drafts of which 2 accepted.
-Writes bench/results/host_work[-baseline]-*.json.
+Writes bench/results/host_work-*.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
 import statistics
 import sys
@@ -55,31 +57,47 @@ def metrics_us(node_metrics) -> float:
     return timeit.timeit(rows, number=1) / ROWS * 1e6
 
 
+def load(root: Path, relative: str, name: str):
+    """The module at `root`/`relative`, under its own `name` (its imports resolve here)."""
+    spec = importlib.util.spec_from_file_location(name, root / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", default=str(HERE))
+    parser.add_argument("--baseline", type=Path, default=None)
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
     import torch
 
-    from bench.harness import environment, markdown_table, report  # this checkout's: it imports no engine
-
-    sys.path.insert(0, args.root)
-    from engine.prompt_lookup import ContextIndex  # the --root checkout's
-    from pdspec.metrics import NodeMetrics
+    from bench.harness import environment, markdown_table, report
 
     torch.set_num_threads(1)
-    found = {"prompt_lookup_us": [], "metrics_us": []}
+    trees = {"this": HERE} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
+    modules = {
+        tree: (load(root, "engine/prompt_lookup.py", f"lookup_{t}"), load(root, "pdspec/metrics.py", f"metrics_{t}"))
+        for t, (tree, root) in enumerate(trees.items())
+    }
+    found: dict[str, dict[str, list[float]]] = {tree: {"prompt_lookup_us": [], "metrics_us": []} for tree in trees}
     for _ in range(args.repeat):
-        found["prompt_lookup_us"].append(lookup_us(ContextIndex))
-        found["metrics_us"].append(metrics_us(NodeMetrics))
-    rows = {name: statistics.median(times) for name, times in found.items()}
+        for tree, (lookup, metrics) in modules.items():
+            found[tree]["prompt_lookup_us"].append(lookup_us(lookup.ContextIndex))
+            found[tree]["metrics_us"].append(metrics_us(metrics.NodeMetrics))
+    rows = {tree: {name: statistics.median(times) for name, times in by.items()} for tree, by in found.items()}
+    table = []
+    for name in ("prompt_lookup_us", "metrics_us"):
+        line = [name.removesuffix("_us"), f"{rows['this'][name]:.1f}"]
+        if "baseline" in rows:
+            line += [f"{rows['baseline'][name]:.1f}", f"{rows['baseline'][name] / rows['this'][name]:.2f}x"]
+        table.append(line)
+    header = ["per row and step", "µs (median)"] + (["baseline µs", "speed-up"] if "baseline" in rows else [])
     env = environment()
-    env["root"] = args.root
-    table = [[name.removesuffix("_us"), f"{us:.1f}"] for name, us in rows.items()]
-    text = markdown_table(["per row and step", "µs (median)"], table)
-    report("host_work" if Path(args.root).resolve() == HERE else "host_work-baseline", env, rows, text)
+    env["baseline"] = str(args.baseline or "")
+    report("host_work", env, rows, markdown_table(header, table))
 
 
 if __name__ == "__main__":
