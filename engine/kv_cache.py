@@ -262,9 +262,9 @@ class Shift:
         """Move the tokens' positions, row lengths, new slots, key counts and causal masks (a
         chain's: no tree masks) by `by`, in place."""
         move = self.by[self.rows]  # [N]
-        moved = positions[self.at] + move
-        positions[self.at] = moved
-        seq_lens[self.at] += move
+        positions.index_add_(0, self.at, move)  # one launch each (an indexed += is three)
+        seq_lens.index_add_(0, self.at, move)
+        moved = positions[self.at]
         meta.new_slots[self.at] = self.tables[self.rows, moved // block_size] * block_size + moved % block_size
         meta.key_count[: len(self.by)] += self.by
         keys = torch.arange(meta.mask.shape[-1], device=moved.device)  # [W]
