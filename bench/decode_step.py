@@ -5,8 +5,8 @@
         [--target-model GGUF|DIR (--draft-model DIR | --draft-layers N) --method hybrid --temperatures 0,0.7]
 
 The decode engine alone (no gRPC): `--batches` requests with a 256-token context, prefilled by
-the real prefill engine, decoded by the real DecodeEngine (K draft tokens per step from the
-1-layer layer-skip draft of the random-weight checkpoint, or with `--target-model` a real
+the real prefill engine, decoded by the real DecodeEngine recording the node's metrics (K draft
+tokens per step from the 1-layer layer-skip draft of the random-weight checkpoint, or with `--target-model` a real
 checkpoint and `--draft-model` its draft or hidden-state head, proposing by `--method`), greedy
 or, per `--temperatures` above 0, sampled and seeded. Per configuration:
 * the weight-bytes floor (the target's weights / the copy bandwidth, as bench/gpu_e2e.py's) against
@@ -56,12 +56,15 @@ from bench.harness import (
     weight_bytes,
 )
 from decode_node.engine import DecodeConfig, DecodeEngine
+from engine.grammar import GRAMMAR
 from engine.paged_lm import bytes_per_token, paged_pair
 from engine.spec_config import SpeculativeConfig
 from models.pair import ModelPair
+from pdspec.metrics import NodeMetrics
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
 from protos.validation import Receiver, validate_decode_request
+from sampling.proposal import PROPOSAL_SOURCES
 
 
 def engine_steps(
@@ -89,7 +92,9 @@ def engine_steps(
         async_scheduling="on" if ahead else scheduling,
         speculate_ahead="on" if ahead else "off",
     )
-    decode = DecodeEngine(pair, config)
+    # the node's metrics, as `pdspec serve` records them: a verified row's series are host work of every step
+    metrics = NodeMetrics("decode", spec.max_speculative_tokens, methods=[method], sources=(*PROPOSAL_SOURCES, GRAMMAR))
+    decode = DecodeEngine(pair, config, metrics)
     receiver = Receiver.from_contract(pair.contract(), max(k, 1))
 
     def submit(count: int, tokens: int) -> None:
