@@ -20,6 +20,7 @@ of the batch, or the graph bucket's width, and running SDPA: the torch reference
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.transfer import to_device
+from common.transfer import indexed, to_device
 
 
 class KvCacheFull(Exception):
@@ -267,11 +268,17 @@ class Shift:
         moved = positions[self.at]
         meta.new_slots[self.at] = self.tables[self.rows, moved // block_size] * block_size + moved % block_size
         meta.key_count[: len(self.by)] += self.by
-        keys = torch.arange(meta.mask.shape[-1], device=moved.device)  # [W]
+        keys = _key_positions(meta.mask.shape[-1], indexed(moved.device))  # [W]
         allowed = keys[None, :] <= moved[:, None]  # [N, W]: causal within the row's live keys
         if window is not None:
             allowed &= moved[:, None] - keys[None, :] < window
         meta.mask[self.rows, 0, self.queries] = allowed
+
+
+@functools.lru_cache(maxsize=32)
+def _key_positions(width: int, device: torch.device) -> torch.Tensor:
+    """[width] int64 0..width-1 on `device`, never written: a replay's widths repeat (its bucket's)."""
+    return torch.arange(width, device=device)
 
 
 @dataclass

@@ -209,6 +209,28 @@ def test_graph_bucket_padding_changes_no_real_row(models):
         paged.release(sp)
 
 
+def test_staged_fields_are_typed_aligned_views_sent_in_one_copy():
+    """`Staging`: each field a view of one device buffer at a 16-byte boundary, with its dtype and
+    shape; what the host writes into its mirror's fields reaches them only at `send`."""
+    from common.transfer import Staging
+
+    staging = Staging([("a", (3,), torch.int64), ("m", (2, 3), torch.bool), ("x", (5,), torch.float32)], "cpu")
+    fields = staging.fields
+    assert [(f.dtype, tuple(f.shape)) for f in fields.values()] == [
+        (torch.int64, (3,)),
+        (torch.bool, (2, 3)),
+        (torch.float32, (5,)),
+    ]
+    base = fields["a"].untyped_storage().data_ptr()
+    assert [f.data_ptr() - base for f in fields.values()] == [0, 32, 48] and staging.nbytes == 80
+    host = staging.host()
+    host["a"][:], host["m"][1, 2], host["x"][:] = [7, 8, 9], True, 0.5
+    assert fields["a"].tolist() == [0, 0, 0] and not fields["m"].any()  # not sent yet
+    staging.send()
+    assert fields["a"].tolist() == [7, 8, 9] and fields["m"].tolist() == [[False] * 3, [False, False, True]]
+    assert fields["x"].tolist() == [0.5] * 5
+
+
 def test_a_ragged_batch_padded_into_a_graph_bucket_changes_no_real_row(models):
     """Rows bringing 3, 1 and 2 tokens, padded the way a replay fills a (4 rows, 4 queries)
     graph's inputs (`_Graph.fill`: each row's tokens first in its places, padding queries and the
