@@ -139,6 +139,16 @@ class BatchMeta:
         return (self.new_slots, self.key_slots, self.key_count, self.mask, self.query_index, self.flat)
 
 
+def block_tables(seqs: Sequence[PagedSeq], rows: int, cols: int) -> np.ndarray:
+    """[rows, cols] int64: row r's first `cols` blocks, 0 past them and in rows past the seqs
+    (block 0 is the scratch block)."""
+    tables = np.zeros((rows, cols), dtype=np.int64)
+    for r, seq in enumerate(seqs):
+        blocks = seq.blocks[:cols]
+        tables[r, : len(blocks)] = blocks
+    return tables
+
+
 def batch_meta(
     pool: KvPool,
     seqs: Sequence[PagedSeq],
@@ -177,10 +187,7 @@ def batch_meta(
     # The block tables as far as the keys reach (a row's blocks past the width are never read);
     # padding rows: block 0, the scratch block.
     cols = -(-width // bs)
-    tables = np.zeros((rows, cols), dtype=np.int64)  # [R, C]
-    for r, seq in enumerate(seqs):
-        blocks = seq.blocks[:cols]
-        tables[r, : len(blocks)] = blocks
+    tables = block_tables(seqs, rows, cols)  # [R, C]
     # every slot of every listed block, in position order: a broadcast, not a gather per key
     slots = (tables[:, :, None] * bs + np.arange(bs)).reshape(rows, cols * bs)[:, :width]  # [R, W]
     key_pos = np.arange(width)  # [W]
@@ -239,10 +246,7 @@ class Shift:
         rows = np.repeat(np.arange(len(lengths)), lengths)  # [N]
         queries = np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # [N]
         longest = max(len(s.blocks) for s in seqs)
-        tables = np.zeros((len(seqs), longest if blocks is None else min(longest, blocks)), dtype=np.int64)  # [R, B]
-        for r, seq in enumerate(seqs):
-            row = seq.blocks[: tables.shape[1]]
-            tables[r, : len(row)] = row
+        tables = block_tables(seqs, len(seqs), longest if blocks is None else min(longest, blocks))  # [R, B]
         return rows, queries, tables
 
     @classmethod

@@ -110,6 +110,7 @@ class _Graph:
     def __init__(self, rows: int, queries: int, width: int, block_size: int, device) -> None:
         n = rows * queries
         i64 = torch.int64
+        self.blocks = -(-width // block_size)  # the block-table columns the keys of a bucket span
         self.staging = Staging(
             [
                 ("positions", (n,), i64),
@@ -122,11 +123,10 @@ class _Graph:
                 ("shift_rows", (n,), i64),  # a shift's [N] arrays and [R, B] block tables, B <= blocks
                 ("shift_queries", (n,), i64),
                 ("shift_at", (n,), i64),
-                ("shift_tables", (rows * -(-width // block_size),), i64),
+                ("shift_tables", (rows * self.blocks,), i64),
             ],
             device,
         )
-        self.blocks = -(-width // block_size)  # the block-table columns the keys of a bucket span
         fields = self.staging.fields
         self.positions, self.seq_lens, self.tokens = fields["positions"], fields["seq_lens"], fields["tokens"]
         # capture with scratch-only inputs: positions 0, new and key slots the scratch slot (0),
