@@ -281,7 +281,7 @@ def api_step(args: argparse.Namespace, scratch: Path, budget: float) -> tuple[li
     """bench/api_speedup.py as users meet it: `pdspec serve` with the launcher's defaults on
     SmolLM2 (--smoke: the built-in pair), default against K = 0 through the OpenAI API; once per
     --api-variant, each a fresh pair of nodes under its PDSPEC_* variables (a node flag's A/B)."""
-    variants = [parse_variant(v) for v in args.api_variant or ["default:"]]
+    variants = args.api_variant  # parsed by main
     if args.smoke:
         flags, env = ["--smoke", "--batches", "1,2", "--temperatures", "0", "--rounds", "2"], {}
     else:
@@ -528,8 +528,7 @@ def main() -> None:
     parser.add_argument("--api-batches", default="1,16,64", help="api: the batches measured")
     args = parser.parse_args()
     try:
-        for variant in args.api_variant or ():
-            parse_variant(variant)
+        args.api_variant = [parse_variant(v) for v in args.api_variant or ["default:"]]  # (label, variables)
     except ValueError as err:
         parser.error(str(err))
     if args.prep:
