@@ -2,13 +2,16 @@
 
     python bench/host_work.py [--baseline DIR] [--repeat 7]
 
-Two per-row costs of every speculating step on the engine thread, each timed alone (median of
+Per-row costs of every speculating step on the engine thread, each timed alone (median of
 `--repeat` runs, one torch thread), for this checkout and, with `--baseline`, another one (a
 baseline commit in a worktree: its modules loaded beside this checkout's, the two timed
 alternately in one process, since a VM's speed drifts between processes):
 * prompt lookup: a row's context grows by 3 tokens (its step emitted them), then two matches
   with drafts after the context (what a row drafting ahead asks: the guess, then its drafts),
   on a 300-token context of 50 distinct tokens;
+* prompt lookup, no match: a row's context grows by 1 token, then one match (what the policy
+  asks of every drafting row after every step, `SpecPolicy.advanced`), on a 300-token context of
+  distinct tokens, which never matches;
 * metrics: one verified row recorded on a node's Prometheus series (verify step, source, chosen
   K), 4 drafts of which 2 accepted.
 Writes bench/results/host_work-*.json.
@@ -40,6 +43,20 @@ def lookup_us(context_index) -> float:
             tokens.extend(new)
             index.match(4, [1, 2, 3, 4])
             index.match(4, [1, 2, 3, 4, 5])
+
+    return timeit.timeit(steps, number=1) / ROWS * 1e6
+
+
+def lookup_plain_us(context_index) -> float:
+    tokens = list(range(1, 301))
+    index = context_index(tokens, 2, 5)
+    index.match(4)
+    emitted = range(1000, 1000 + ROWS)
+
+    def steps() -> None:
+        for new in emitted:
+            tokens.append(new)
+            index.match(4)
 
     return timeit.timeit(steps, number=1) / ROWS * 1e6
 
@@ -82,14 +99,16 @@ def main() -> None:
         tree: (load(root, "engine/prompt_lookup.py", f"lookup_{t}"), load(root, "pdspec/metrics.py", f"metrics_{t}"))
         for t, (tree, root) in enumerate(trees.items())
     }
-    found: dict[str, dict[str, list[float]]] = {tree: {"prompt_lookup_us": [], "metrics_us": []} for tree in trees}
+    costs = ("prompt_lookup_us", "prompt_lookup_no_match_us", "metrics_us")
+    found: dict[str, dict[str, list[float]]] = {tree: {name: [] for name in costs} for tree in trees}
     for _ in range(args.repeat):
         for tree, (lookup, metrics) in modules.items():
             found[tree]["prompt_lookup_us"].append(lookup_us(lookup.ContextIndex))
+            found[tree]["prompt_lookup_no_match_us"].append(lookup_plain_us(lookup.ContextIndex))
             found[tree]["metrics_us"].append(metrics_us(metrics.NodeMetrics))
     rows = {tree: {name: statistics.median(times) for name, times in by.items()} for tree, by in found.items()}
     table = []
-    for name in ("prompt_lookup_us", "metrics_us"):
+    for name in costs:
         line = [name.removesuffix("_us"), f"{rows['this'][name]:.1f}"]
         if "baseline" in rows:
             line += [f"{rows['baseline'][name]:.1f}", f"{rows['baseline'][name] / rows['this'][name]:.2f}x"]

@@ -40,6 +40,7 @@ class ContextIndex:
         self.lo, self.hi = lo, hi
         self.tokens = tokens
         self._last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(lo, hi + 1)}
+        self._shortest = self._last[lo]  # every match's first test (`match`)
         self._indexed = 0  # n-grams ending before this position are in the tables
 
     def _index(self) -> None:
@@ -73,14 +74,18 @@ class ContextIndex:
         if k <= 0:
             return [], 0
         self._index()
-        toks, tail = self.tokens, list(tail)
+        toks = self.tokens
+        # the usual step of a row with no match: one lookup, no suffix built
+        if not tail and (len(toks) <= self.lo or tuple(toks[-self.lo :]) not in self._shortest):
+            return [], 0
+        tail = list(tail)
         size = len(toks) + len(tail)
         hi = min(self.hi, size - 1)
         # the last hi tokens of both, no copy of the rest
         suffix = tuple((toks[-hi:] if hi > len(tail) else []) + tail[-hi:])
         # Every earlier occurrence of a longer suffix ends with one of the shortest: without that,
         # no n matches (one lookup for the usual step of a row with no match, not one per n).
-        if size <= self.lo or suffix[-self.lo :] not in self._last[self.lo]:
+        if size <= self.lo or suffix[-self.lo :] not in self._shortest:
             return [], 0
         for n in range(hi, self.lo - 1, -1):
             end = self._last[n].get(suffix[-n:])
