@@ -12,6 +12,9 @@ alternately in one process, since a VM's speed drifts between processes):
 * prompt lookup, no match: a row's context grows by 1 token, then one match (what the policy
   asks of every drafting row after every step, `SpecPolicy.advanced`), on a 300-token context of
   distinct tokens, which never matches;
+* the speculation policy, no match: 16 prompt-lookup rows (K = 4, 256-token prompts of distinct
+  tokens, async scheduling) step after step: the batch's `hold`, then per row `ran_plain`, its
+  token appended and `advanced` (its next match looked for and priced), per row;
 * metrics: one verified row recorded on a node's Prometheus series (verify step, source, chosen
   K), 4 drafts of which 2 accepted.
 Writes bench/results/host_work-*.json.
@@ -74,6 +77,60 @@ def metrics_us(node_metrics) -> float:
     return timeit.timeit(rows, number=1) / ROWS * 1e6
 
 
+def policy_us(modules: dict) -> float:
+    spec_config, proposers, adaptive, sequence, sampling, spec_policy = (
+        modules[name] for name in ("spec_config", "proposers", "adaptive", "sequence", "sampling", "spec_policy")
+    )
+    spec = spec_config.SpeculativeConfig(max_speculative_tokens=4, method="prompt-lookup")
+    proposer = proposers.PromptLookupProposer((2, 5), False)
+    costs = adaptive.StepCosts((1.0, 1.3, 1.4, 1.5, 1.6), 0.0, 1.2)
+    policy = spec_policy.SpecPolicy(spec, proposer, costs, pipelined=True)
+    batch, steps = 16, ROWS // 16
+    seqs = []
+    for r in range(batch):
+        seq = sequence.Sequence(
+            prompt=list(range(1000 * r + 1, 1000 * r + 257)),
+            params=sampling.SamplingParams(),
+            budget=1 << 20,
+            eos_token_ids=(0,),
+            stop_token_ids=(),
+            rng=sampling.RequestRng(None, stream="decode"),
+            k=4,
+        )
+        proposer.start([seq], [0])
+        policy.admit(seq)
+        seqs.append(seq)
+    unread = set(seqs)
+
+    def run() -> None:
+        for step in range(steps):
+            policy.hold(seqs, unread)
+            for r, seq in enumerate(seqs):
+                policy.ran_plain(seq)
+                seq.append([100_000 + batch * step + r])
+                policy.advanced(seq)
+
+    return timeit.timeit(run, number=1) / (steps * batch) * 1e6
+
+
+PACKAGES = ("common", "decode_node", "engine", "models", "pdspec", "prefill_node", "protos", "sampling")
+
+
+def project(root: Path) -> dict:
+    """The policy's modules as the tree at `root` has them: the project's packages are dropped
+    from sys.modules first, so each tree's modules import their own."""
+    for name in [n for n in sys.modules if n.split(".")[0] in PACKAGES]:
+        del sys.modules[name]
+    sys.path.insert(0, str(root))
+    try:
+        names = ("spec_config", "proposers", "adaptive", "sequence", "spec_policy")
+        return {name: importlib.import_module(f"engine.{name}") for name in names} | {
+            "sampling": importlib.import_module("sampling")
+        }
+    finally:
+        sys.path.remove(str(root))
+
+
 def load(root: Path, relative: str, name: str):
     """The module at `root`/`relative`, under its own `name` (its imports resolve here)."""
     spec = importlib.util.spec_from_file_location(name, root / relative)
@@ -99,12 +156,14 @@ def main() -> None:
         tree: (load(root, "engine/prompt_lookup.py", f"lookup_{t}"), load(root, "pdspec/metrics.py", f"metrics_{t}"))
         for t, (tree, root) in enumerate(trees.items())
     }
-    costs = ("prompt_lookup_us", "prompt_lookup_no_match_us", "metrics_us")
+    policies = {tree: project(root) for tree, root in trees.items()}
+    costs = ("prompt_lookup_us", "prompt_lookup_no_match_us", "policy_no_match_us", "metrics_us")
     found: dict[str, dict[str, list[float]]] = {tree: {name: [] for name in costs} for tree in trees}
     for _ in range(args.repeat):
         for tree, (lookup, metrics) in modules.items():
             found[tree]["prompt_lookup_us"].append(lookup_us(lookup.ContextIndex))
             found[tree]["prompt_lookup_no_match_us"].append(lookup_plain_us(lookup.ContextIndex))
+            found[tree]["policy_no_match_us"].append(policy_us(policies[tree]))
             found[tree]["metrics_us"].append(metrics_us(metrics.NodeMetrics))
     rows = {tree: {name: statistics.median(times) for name, times in by.items()} for tree, by in found.items()}
     table = []
