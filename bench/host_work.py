@@ -16,7 +16,8 @@ alternately in one process, since a VM's speed drifts between processes):
   tokens, async scheduling) step after step: the batch's `hold`, then per row `ran_plain`, its
   token appended and `advanced` (its next match looked for and priced), per row;
 * metrics: one verified row recorded on a node's Prometheus series (verify step, source, chosen
-  K), 4 drafts of which 2 accepted.
+  K), 4 drafts of which 2 accepted, published every 16 rows (a batch-16 step's end) where the tree
+  has `NodeMetrics.flush`.
 Writes bench/results/host_work-*.json.
 """
 
@@ -67,12 +68,15 @@ def lookup_plain_us(context_index) -> float:
 def metrics_us(node_metrics) -> float:
     metrics = node_metrics("decode", 4, methods=["prompt-lookup"], sources=["prompt-lookup"])
     chosen = getattr(metrics, "record_chosen", None) or (lambda m, d: metrics.chosen_k.labels(m).observe(d))
+    flush = getattr(metrics, "flush", None) or (lambda: None)  # a tree that publishes as it records
 
     def rows() -> None:
-        for _ in range(ROWS):
+        for row in range(ROWS):
             metrics.record_step(False, 4, 2, 3)
             metrics.record_source("prompt-lookup", 4, 2)
             chosen("prompt-lookup", 4)
+            if row % 16 == 15:  # a batch-16 step ends
+                flush()
 
     return timeit.timeit(rows, number=1) / ROWS * 1e6
 

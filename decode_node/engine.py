@@ -238,7 +238,10 @@ class DecodeEngine:
         self._outbox.append((request, event))
 
     def _deliver(self) -> None:
-        """Hand the outbox's events to their streams, in the order they were made."""
+        """Hand the outbox's events to their streams, in the order they were made, once the
+        speculation counts of the steps that made them are published (`NodeMetrics.flush`)."""
+        if self.metrics:
+            self.metrics.flush()
         outbox, self._outbox = self._outbox, []
         for request, event in outbox:
             request.events.put(event)

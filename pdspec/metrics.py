@@ -218,6 +218,9 @@ class NodeMetrics:
             for label in DO_SAMPLE
         }
         self._children: dict[tuple, object] = {}  # (family, *labels) -> child, bound on first use
+        # Counts of the verified rows of the step running, added up per counter and published by
+        # `flush` at the step's end: one locked increment per counter and step, not several per row.
+        self._pending: dict[object, float] = {}
 
     def _preinitialise(self, max_k: int, fields: Iterable[str]) -> None:
         for do_sample in DO_SAMPLE:
@@ -275,22 +278,36 @@ class NodeMetrics:
             return
         label = DO_SAMPLE[int(do_sample)]
         (steps, drafts, accepts, emits, length), positions = self._spec[label]
-        steps.inc()
-        drafts.inc(num_draft)
-        accepts.inc(accepted)
-        emits.inc(emitted)
+        pending = self._pending
+        for child, amount in ((steps, 1), (drafts, num_draft), (accepts, accepted), (emits, emitted)):
+            pending[child] = pending.get(child, 0) + amount
         for position in range(accepted):  # a tree may go deeper than --max-speculative-tokens
             child = positions[position] if position < len(positions) else None
-            (child or self._child(self.accepted_per_position, label, str(position))).inc()
+            child = child or self._child(self.accepted_per_position, label, str(position))
+            pending[child] = pending.get(child, 0) + 1
         for rank in ranks:
-            self._child(self.accepted_per_rank, label, str(rank)).inc()
+            child = self._child(self.accepted_per_rank, label, str(rank))
+            pending[child] = pending.get(child, 0) + 1
         length.observe(emitted)
 
     def record_source(self, source: str, num_draft: int, accepted: int) -> None:
         """The same row by what proposed it (engine/proposer.py: draft or prompt-lookup)."""
         if num_draft:
-            self._child(self.source_draft_tokens, source).inc(num_draft)
-            self._child(self.source_accepted_tokens, source).inc(accepted)
+            pending = self._pending
+            for child, amount in (
+                (self._child(self.source_draft_tokens, source), num_draft),
+                (self._child(self.source_accepted_tokens, source), accepted),
+            ):
+                pending[child] = pending.get(child, 0) + amount
+
+    def flush(self) -> None:
+        """Publish the counts `record_step` and `record_source` added up since the last flush
+        (the decode engine flushes at the end of every step, before its events reach the
+        streams: a client that has its tokens sees them counted)."""
+        pending, self._pending = self._pending, {}
+        for child, amount in pending.items():
+            if amount:
+                child.inc(amount)
 
     def record_chosen(self, method: str, depth: int) -> None:
         """The draft tokens one row's step chose (adaptive K), by speculative method."""
