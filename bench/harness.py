@@ -742,9 +742,10 @@ class Served(NamedTuple):
 
 
 @contextlib.contextmanager
-def served(device: str, flags: list[str], timeout: float) -> Iterator[Served]:
+def served(device: str, flags: list[str], timeout: float, tree: Path | None = None) -> Iterator[Served]:
     """`pdspec serve` (both nodes and the HTTP API, as a user starts them) on free loopback
-    ports, once the HTTP API answers /v1/models."""
+    ports, once the HTTP API answers /v1/models; `tree`: another checkout's code (a baseline),
+    run from there."""
     import urllib.request
 
     ports = {name: free_port() for name in ("prefill", "decode", "prefill-metrics", "decode-metrics", "http")}
@@ -760,7 +761,8 @@ def served(device: str, flags: list[str], timeout: float) -> Iterator[Served]:
         *flags,
     ]
     print("#", " ".join(command), flush=True)
-    process = subprocess.Popen(command, start_new_session=True)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
+    process = subprocess.Popen(command, start_new_session=True, cwd=tree, env=env)
     try:
         deadline = time.monotonic() + timeout
         while True:

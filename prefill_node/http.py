@@ -1076,10 +1076,16 @@ class _Counted:
 
 class _BoundedSend(AutoHTTPProtocol):
     """uvicorn's HTTP/1.1 protocol with a connection's send buffering bounded (SEND_BUFFER_BYTES):
-    a response stream whose client stops reading stops at once, and so does its relay."""
+    a response stream whose client stops reading stops at once, and so does its relay. Nagle's
+    algorithm is off (TCP_NODELAY): an event stream's chunks are small writes, and with it on, a
+    chunk written while the one before is unacknowledged waits for that ACK, which a client
+    that keeps its connection alive delays by ~40 ms (delayed ACK), so a streamed response arrived
+    in one burst that late instead of token by token."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if sock is not None and hasattr(socket, "TCP_NOTSENT_LOWAT"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, SEND_BUFFER_BYTES)
         transport.set_write_buffer_limits(high=SEND_BUFFER_BYTES)

@@ -178,3 +178,16 @@ def test_an_http_stream_that_stops_reading_is_paused_and_resumes(nodes):
     assert "".join(_sse_texts(rest(sock, raw))) == whole
     assert prefill.peer.compatible  # never suspected
     wait_until(lambda: decode.engine.load == 0, what="decode idle")
+
+
+def test_http_connections_send_small_writes_at_once(nodes):
+    """Every connection of the OpenAI API has Nagle's algorithm off (TCP_NODELAY): with it on, an
+    event stream's chunk written while the one before is unacknowledged waits for a client's
+    delayed ACK (~40 ms), and a kept-alive connection got its stream in one late burst."""
+    _, prefill, _ = nodes
+    with socket.create_connection(("127.0.0.1", prefill.http_port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 ")
+        connections = list(prefill.http.server.server_state.connections)  # this one, kept alive
+        sockets = [c.transport.get_extra_info("socket") for c in connections]
+        assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
