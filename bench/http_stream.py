@@ -8,11 +8,11 @@ Both nodes start as `pdspec serve --builtin` starts them (the built-in pair: its
 about a millisecond, so what is measured is the HTTP path, not the model), once per `--tree`
 (a checkout; default: this one), from that tree's code. A plain `httpx` client streams
 `/v1/completions` (greedy, `stream: true`) `--requests` times over one kept-alive connection,
-then as many times on a fresh connection each, after one request that warms the nodes up. Per
-tree and connection kind (medians): the time to the first `data:` line, to the last, and the
-time the node itself reports for the request (`pdspec_request_latency_seconds` over the
-requests). A response whose chunks were held back arrives in one burst near its end: first ≈
-last. Writes bench/results/http_stream-*.json (`--smoke`: 2 requests each, nothing kept).
+then as many times on a fresh connection each, after the first request of the fresh nodes
+(reported apart: what first use costs). Per tree and connection kind (medians): the time to
+the first `data:` line, to the last, and the time the node itself reports for the request
+(`pdspec_request_latency_seconds` over the requests). A response whose chunks were held back
+arrives in one burst near its end: first ≈ last. Writes bench/results/http_stream-*.json (`--smoke`: 2 requests each, nothing kept).
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def measure(tree: Path | None, args: argparse.Namespace) -> list[dict]:
         base = f"http://{LOOPBACK}:{nodes.http}/v1"
         with httpx.Client(timeout=60) as kept:
             model = kept.get(f"{base}/models").json()["data"][0]["id"]
-            stream_once(kept, f"{base}/completions", model, args.max_new_tokens)  # first use of the nodes
+            count, total = node_latency(nodes.ports["prefill-metrics"])
+            first = stream_once(kept, f"{base}/completions", model, args.max_new_tokens)  # first use of the nodes
+            rows.append(row(tree, "first request", [first], nodes.ports["prefill-metrics"], count, total))
             for kind in ("kept-alive", "fresh"):
                 count, total = node_latency(nodes.ports["prefill-metrics"])
                 times = []
@@ -70,17 +72,21 @@ def measure(tree: Path | None, args: argparse.Namespace) -> list[dict]:
                     else:
                         with httpx.Client(timeout=60) as fresh:
                             times.append(stream_once(fresh, f"{base}/completions", model, args.max_new_tokens))
-                ended, summed = node_latency(nodes.ports["prefill-metrics"])
-                rows.append(
-                    {
-                        "tree": str(tree or "."),
-                        "connection": kind,
-                        "first_chunk_ms": 1e3 * statistics.median(f for f, _ in times),
-                        "last_chunk_ms": 1e3 * statistics.median(last for _, last in times),
-                        "node_latency_ms": 1e3 * (summed - total) / max(1.0, ended - count),
-                    }
-                )
+                rows.append(row(tree, kind, times, nodes.ports["prefill-metrics"], count, total))
     return rows
+
+
+def row(tree: Path | None, kind: str, times: list[tuple[float, float]], port: int, count: float, total: float) -> dict:
+    """The medians of `times`, and the node's mean latency of the requests it ended since it had
+    ended `count` of `total` seconds."""
+    ended, summed = node_latency(port)
+    return {
+        "tree": str(tree or "."),
+        "connection": kind,
+        "first_chunk_ms": 1e3 * statistics.median(f for f, _ in times),
+        "last_chunk_ms": 1e3 * statistics.median(last for _, last in times),
+        "node_latency_ms": 1e3 * (summed - total) / max(1.0, ended - count),
+    }
 
 
 def main() -> None:

@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -1119,6 +1120,9 @@ class HttpServer:
 
     def _run(self) -> None:
         try:
+            # anyio imports its asyncio backend when it is first used, by the first streamed
+            # response (starlette's StreamingResponse): that request waited ~25-50 ms for it
+            anyio.run(anyio.sleep, 0)
             self.server.run(sockets=[self.socket])
         except BaseException as err:
             self._failed = err
