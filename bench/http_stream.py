@@ -12,7 +12,8 @@ then as many times on a fresh connection each, after the first request of the fr
 (reported apart: what first use costs). Per tree and connection kind (medians): the time to
 the first `data:` line, to the last, and the time the node itself reports for the request
 (`pdspec_request_latency_seconds` over the requests). A response whose chunks were held back
-arrives in one burst near its end: first ≈ last. Writes bench/results/http_stream-*.json (`--smoke`: 2 requests each, nothing kept).
+arrives in one burst near its end: first ≈ last. Writes bench/results/http_stream-*.json
+(`--smoke`: 2 requests each, nothing kept).
 """
 
 from __future__ import annotations
