@@ -218,8 +218,8 @@ class NodeMetrics:
             for label in DO_SAMPLE
         }
         self._children: dict[tuple, object] = {}  # (family, *labels) -> child, bound on first use
-        # Counts of the verified rows of the step running, added up per counter and published by
-        # `flush` at the step's end: one locked increment per counter and step, not several per row.
+        # Counts of the verified rows of the steps not yet delivered, added up per counter and
+        # published by `flush`: one locked increment per counter and step, not several per row.
         self._pending: dict[object, float] = {}
 
     def _preinitialise(self, max_k: int, fields: Iterable[str]) -> None:
@@ -302,8 +302,8 @@ class NodeMetrics:
 
     def flush(self) -> None:
         """Publish the counts `record_step` and `record_source` added up since the last flush
-        (the decode engine flushes at the end of every step, before its events reach the
-        streams: a client that has its tokens sees them counted)."""
+        (the decode engine flushes each time before it hands events to their streams: a client
+        that has its tokens sees them counted)."""
         pending, self._pending = self._pending, {}
         for child, amount in pending.items():
             if amount:
