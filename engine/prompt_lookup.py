@@ -74,19 +74,19 @@ class ContextIndex:
         if k <= 0:
             return [], 0
         self._index()
-        toks = self.tokens
-        # the usual step of a row with no match: one lookup, no suffix built
-        if not tail and (len(toks) <= self.lo or tuple(toks[-self.lo :]) not in self._shortest):
-            return [], 0
-        tail = list(tail)
+        toks, tail, lo = self.tokens, list(tail) if tail else [], self.lo
         size = len(toks) + len(tail)
+        if size <= lo:
+            return [], 0
+        # Every earlier occurrence of a longer suffix ends with one of the shortest: without that,
+        # no n matches. So the usual step of a row with no match costs one lookup of its last lo
+        # tokens, and no suffix is built.
+        shortest = toks[-lo:] if not tail else (toks[-(lo - len(tail)) :] if lo > len(tail) else []) + tail[-lo:]
+        if tuple(shortest) not in self._shortest:
+            return [], 0
         hi = min(self.hi, size - 1)
         # the last hi tokens of both, no copy of the rest
         suffix = tuple((toks[-hi:] if hi > len(tail) else []) + tail[-hi:])
-        # Every earlier occurrence of a longer suffix ends with one of the shortest: without that,
-        # no n matches (one lookup for the usual step of a row with no match, not one per n).
-        if size <= self.lo or suffix[-self.lo :] not in self._shortest:
-            return [], 0
         for n in range(hi, self.lo - 1, -1):
             end = self._last[n].get(suffix[-n:])
             if end is not None:  # end < len(toks) - 1: the continuation starts in the context
