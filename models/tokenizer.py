@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 from collections.abc import Sequence
 
 NO_CHAT_TEMPLATE = "chat_template: expected a chat template with the tokenizer, got none"
@@ -88,6 +89,12 @@ class TextTokenizer:
         self.chat_template: str | None = getattr(tokenizer, "chat_template", None)
         own = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(dict.fromkeys([*eos_token_ids, *([] if own is None else [own])]))
+        if self.chat_template:
+            # The template is compiled on its first render (~6 ms: jinja2's import and parse, then
+            # cached by transformers): at load, not in a client's first chat request. A template
+            # that rejects this chat is compiled all the same; requests meet its error.
+            with contextlib.suppress(Exception):
+                self.apply_chat_template([{"role": "user", "content": "."}])
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -1,6 +1,6 @@
 """Incremental detokenising (models/tokenizer.IncrementalTextDecoder): the pieces of a stream
 pushed in any chunks join into its whole decode, an incomplete character is held back, and a
-push decodes a bounded window, not the stream so far."""
+push decodes a bounded window, not the stream so far; the chat template is compiled at load."""
 
 from __future__ import annotations
 
@@ -96,3 +96,24 @@ def test_a_push_decodes_a_bounded_window(smollm2_tokenizer):
     text = "".join(decoder.push([i]) for i in ids) + decoder.flush()
     assert text == smollm2_tokenizer.decode(ids)
     assert len(ids) == 2000 and max(counting.calls) <= IncrementalTextDecoder.CONTEXT + 4, max(counting.calls)
+
+
+def test_the_chat_template_is_compiled_when_the_tokenizer_loads(monkeypatch):
+    """A node's first chat request does not compile the template (jinja2's parse): loading did."""
+    import uuid
+
+    import jinja2
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")))
+    # a template no other test compiled (transformers caches compiled templates per process)
+    fast.chat_template = f"{{# {uuid.uuid4()} #}}{{% for m in messages %}}{{{{ m['content'] }}}}{{% endfor %}}"
+    tokenizer = TextTokenizer(fast)
+    compiled = []
+    original = jinja2.Environment.from_string
+    monkeypatch.setattr(
+        jinja2.Environment, "from_string", lambda env, *a, **k: compiled.append(a) or original(env, *a, **k)
+    )
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+    assert compiled == []
