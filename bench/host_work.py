@@ -15,6 +15,9 @@ alternately in one process, since a VM's speed drifts between processes):
 * the speculation policy, no match: 16 prompt-lookup rows (K = 4, 256-token prompts of distinct
   tokens, async scheduling) step after step: the batch's `hold`, then per row `ran_plain`, its
   token appended and `advanced` (its next match looked for and priced), per row;
+* the speculation policy, held: the same rows on contexts that repeat a 7-token phrase (every row
+  has a match), each step held at K = 0 by the batch gate (its verdict fixed to hold): the
+  batch's `hold` and per row `ran_plain`, its token appended and `advanced`, per row;
 * metrics: one verified row recorded on a node's Prometheus series (verify step, source, chosen
   K), 4 drafts of which 2 accepted, published every 16 rows (a batch-16 step's end) where the tree
   has `NodeMetrics.flush`.
@@ -81,7 +84,7 @@ def metrics_us(node_metrics) -> float:
     return timeit.timeit(rows, number=1) / ROWS * 1e6
 
 
-def policy_us(modules: dict) -> float:
+def policy_us(modules: dict, held: bool = False) -> float:
     spec_config, proposers, adaptive, sequence, sampling, spec_policy = (
         modules[name] for name in ("spec_config", "proposers", "adaptive", "sequence", "sampling", "spec_policy")
     )
@@ -89,11 +92,16 @@ def policy_us(modules: dict) -> float:
     proposer = proposers.PromptLookupProposer((2, 5), False)
     costs = adaptive.StepCosts((1.0, 1.3, 1.4, 1.5, 1.6), 0.0, 1.2)
     policy = spec_policy.SpecPolicy(spec, proposer, costs, pipelined=True)
+    if held:
+        policy.gate.allows = lambda batch, expected: False
     batch, steps = 16, ROWS // 16
+    phrase = [7, 3, 9, 1, 4, 8, 2]
     seqs = []
     for r in range(batch):
         seq = sequence.Sequence(
-            prompt=list(range(1000 * r + 1, 1000 * r + 257)),
+            prompt=[1000 * r + phrase[j % 7] for j in range(256)]
+            if held
+            else list(range(1000 * r + 1, 1000 * r + 257)),
             params=sampling.SamplingParams(),
             budget=1 << 20,
             eos_token_ids=(0,),
@@ -111,7 +119,7 @@ def policy_us(modules: dict) -> float:
             policy.hold(seqs, unread)
             for r, seq in enumerate(seqs):
                 policy.ran_plain(seq)
-                seq.append([100_000 + batch * step + r])
+                seq.append([1000 * r + phrase[step % 7] if held else 100_000 + batch * step + r])
                 policy.advanced(seq)
 
     return timeit.timeit(run, number=1) / (steps * batch) * 1e6
@@ -161,13 +169,14 @@ def main() -> None:
         for t, (tree, root) in enumerate(trees.items())
     }
     policies = {tree: project(root) for tree, root in trees.items()}
-    costs = ("prompt_lookup_us", "prompt_lookup_no_match_us", "policy_no_match_us", "metrics_us")
+    costs = ("prompt_lookup_us", "prompt_lookup_no_match_us", "policy_no_match_us", "policy_held_us", "metrics_us")
     found: dict[str, dict[str, list[float]]] = {tree: {name: [] for name in costs} for tree in trees}
     for _ in range(args.repeat):
         for tree, (lookup, metrics) in modules.items():
             found[tree]["prompt_lookup_us"].append(lookup_us(lookup.ContextIndex))
             found[tree]["prompt_lookup_no_match_us"].append(lookup_plain_us(lookup.ContextIndex))
             found[tree]["policy_no_match_us"].append(policy_us(policies[tree]))
+            found[tree]["policy_held_us"].append(policy_us(policies[tree], held=True))
             found[tree]["metrics_us"].append(metrics_us(metrics.NodeMetrics))
     rows = {tree: {name: statistics.median(times) for name, times in by.items()} for tree, by in found.items()}
     table = []

@@ -116,9 +116,11 @@ class AdaptiveK:
         # The counts are the stored ones times `_scale`: a decay, every row's every step, scales
         # one number instead of every count (folded back in once it falls below RESCALE).
         self._scale = 1.0
-        # `rates` of the counts as they are: a step asks for a row's rates several times (its K,
-        # its gain, its admitted drafts), and for the node's rows' (`SpecPolicy.shown`) once per row.
-        self._rates: dict[tuple[str, tuple[float, ...] | None], list[float]] = {}
+        # Answers from the counts as they are (`rates`, `choose`, `pays_to_wait`), kept until they
+        # change: a step asks for a row's rates several times (its K, its gain, its admitted drafts)
+        # and for the node's rows' (`SpecPolicy.shown`) once per row; and a row the batch gate
+        # holds shows nothing, so its K and its wait are the same step after step.
+        self._known: dict[tuple, object] = {}
 
     def _of(self, source: str) -> tuple[list[float], list[float]]:
         if source not in self._counts:
@@ -131,16 +133,16 @@ class AdaptiveK:
         position never tested yet is expected to do as its predecessor does; or, given `prior`
         (at least cap rates, e.g. the node's), that position's rate there. Kept until the counts
         change: the caller reads the list, never writes it."""
-        key = (source, None if prior is None else tuple(prior))
-        if key not in self._rates:
+        key = ("rates", source, None if prior is None else tuple(prior))
+        if key not in self._known:
             accepted, tested = self._of(source)
             scale, out, rate = self._scale, [], PRIOR
             for j, (a, t) in enumerate(zip(accepted, tested, strict=True)):
                 base = rate if prior is None else prior[j]
                 rate = (a * scale + base * PRIOR_WEIGHT) / (t * scale + PRIOR_WEIGHT)
                 out.append(rate)
-            self._rates[key] = out
-        return self._rates[key]
+            self._known[key] = out
+        return self._known[key]
 
     def expected(self, source: str, k: int, prior: list[float] | None = None) -> float:
         """E(k): the tokens a verify of k drafts from `source` emits in expectation (`prior`: as
@@ -157,6 +159,9 @@ class AdaptiveK:
         the drafts continue the right context at all (a row drafting ahead of a guessed token:
         a wrong guess rejects them all), which every draft's chance of adding a token carries."""
         limit = min(limit, self.cap)
+        key = ("choose", source, limit, costs, lead)
+        if key in self._known:
+            return self._known[key]
         best_k, best_rate = 0, 1.0  # K = 0: one token for one step
         expected, reach = 1.0, lead
         for k, a in enumerate(self.rates(source)[:limit], start=1):
@@ -165,6 +170,7 @@ class AdaptiveK:
             rate = expected / costs.of(k, source == "draft")
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        self._known[key] = best_k
         return best_k
 
     def admitted(self, source: str, k: int, floor: float, prior: list[float] | None = None, lead: float = 1.0) -> int:
@@ -185,9 +191,12 @@ class AdaptiveK:
         it). The wait pays off only if that token continues the match, about as likely as a
         first draft's acceptance (a_0); otherwise the row has paid a K = 0 step read back
         (`costs.sync`) for one token. Measured in tokens minus K = 0 steps."""
-        a = self.rates(source)[0]
-        surplus = self.expected(source, k) - costs.of(k, source == "draft")
-        return a * surplus > (1 - a) * (costs.sync - 1)
+        key = ("wait", source, k, costs)
+        if key not in self._known:
+            a = self.rates(source)[0]
+            surplus = self.expected(source, k) - costs.of(k, source == "draft")
+            self._known[key] = a * surplus > (1 - a) * (costs.sync - 1)
+        return self._known[key]
 
     def observe(self, source: str | None, depth: int, accepted: int) -> None:
         """One step: `depth` drafts proposed by `source` (None: none), the first `accepted` accepted.
@@ -196,7 +205,7 @@ class AdaptiveK:
         self.count(source, depth, accepted)
 
     def decay(self, factor: float) -> None:
-        self._rates.clear()
+        self._known.clear()
         self._scale *= factor
         if self._scale < RESCALE:
             for acc, tested in self._counts.values():
@@ -208,7 +217,7 @@ class AdaptiveK:
         """`depth` drafts proposed by `source` (None: none), the first `accepted` accepted."""
         if source is None or depth == 0:
             return
-        self._rates.clear()
+        self._known.clear()
         acc, tested = self._of(source)
         one = 1.0 / self._scale  # a count of 1, stored
         for j in range(min(depth, accepted + 1, self.cap)):  # drafts past the first rejection were not tested
