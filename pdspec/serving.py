@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import signal
 import threading
@@ -24,6 +25,7 @@ def serve_until_signal(server_context: contextlib.AbstractContextManager, role: 
         signal.signal(sig, lambda *_: stop.set())
     try:
         with server_context:
+            freeze_start_up(role)
             # A timed wait, not stop.wait(): the kernel may deliver SIGTERM to any of the node's
             # threads (gRPC, inductor's compile workers, ...), and Python runs the handler only
             # when the main thread runs bytecode; an untimed wait would sleep through it.
@@ -40,6 +42,19 @@ def serve_until_signal(server_context: contextlib.AbstractContextManager, role: 
 
 
 SIGNAL_POLL_S = 0.2
+
+
+def freeze_start_up(role: str) -> None:
+    """Move what start-up left alive (the models' modules, the tokenizer's vocabulary, the
+    libraries' state: ~380,000 objects on a CPU node serving SmolLM2) to the collector's
+    permanent generation, after collecting start-up's garbage. A full collection otherwise
+    walks all of them: ~0.2 s with every stream stalled, each time serving has moved enough
+    objects into the oldest generation, the first time soon after start-up (vLLM and SGLang
+    freeze theirs too). For a process that serves one node until it exits: what is frozen
+    lives as long as the node."""
+    gc.collect()
+    gc.freeze()
+    log.info("%s node: %d start-up objects frozen out of garbage collection", role, gc.get_freeze_count())
 
 
 def pin_torch_threads(threads: int | None, role: str) -> None:
