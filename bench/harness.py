@@ -742,10 +742,13 @@ class Served(NamedTuple):
 
 
 @contextlib.contextmanager
-def served(device: str, flags: list[str], timeout: float, tree: Path | None = None) -> Iterator[Served]:
+def served(
+    device: str, flags: list[str], timeout: float, tree: Path | None = None, env: dict[str, str] | None = None
+) -> Iterator[Served]:
     """`pdspec serve` (both nodes and the HTTP API, as a user starts them) on free loopback
     ports, once the HTTP API answers /v1/models; `tree`: another checkout's code (a baseline),
-    run from there."""
+    run from there; `env`: variables set for it and its nodes (PYTHONPATH: before the tree's,
+    both before the one this process runs with)."""
     import urllib.request
 
     ports = {name: free_port() for name in ("prefill", "decode", "prefill-metrics", "decode-metrics", "http")}
@@ -761,8 +764,15 @@ def served(device: str, flags: list[str], timeout: float, tree: Path | None = No
         *flags,
     ]
     print("#", " ".join(command), flush=True)
-    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
-    process = subprocess.Popen(command, start_new_session=True, cwd=tree, env=env)
+    variables = dict(env or {})
+    path = [variables.pop("PYTHONPATH")] if "PYTHONPATH" in variables else []
+    if tree is not None:
+        path.append(str(tree))
+    if path:  # then what this process was given (a GPU machine's wheels)
+        variables["PYTHONPATH"] = os.pathsep.join([*path, *filter(None, [os.environ.get("PYTHONPATH")])])
+    process = subprocess.Popen(
+        command, start_new_session=True, cwd=tree, env={**os.environ, **variables} if variables else None
+    )
     try:
         deadline = time.monotonic() + timeout
         while True:
