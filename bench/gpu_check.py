@@ -32,7 +32,7 @@ step's status, seconds, budget and figures) and the steps' output as .log beside
 bench/results or --out, again after every step.
 
 On the GPU machine (one H100 or H200, no network, its python3 with CUDA torch and CuPy; `run`'s
-working tree at most 64 MiB a call, the tracked tree ~3 MiB, ~22 with a draft head shipped), after
+working tree at most 64 MiB a call, the tracked tree ~7 MiB of it), after
 `make gpu-prep` here (add BASE=<rev> for a baseline tree), three calls, each within 30 s of the
 last (while the machine is warm, /tmp keeps what the earlier ones left):
   call 1, carry [".carry/gguf.1", ".carry/gguf.3", ".carry/gguf.sha256"]:  make gpu-stash
@@ -137,11 +137,11 @@ TESTS = {
     "serve-tests": ["tests/nodes/test_gpu_serve.py"],
 }
 # Where the GGUF (94 MiB) travels in parts (run's working tree holds 64 MiB a call, the tracked
-# tree ~3 MiB of it, ~22 with a draft head shipped): one part a call, the last with the wheels
-# (~17 MiB) and a baseline tree.
+# tree ~7 MiB of it): the first call the first and last parts (57 MiB), the next the middle one
+# with the wheels (~17.5 MiB) and a baseline tree (~2 MiB).
 CARRY = ROOT / ".carry"
 STASH = Path("/tmp/pdspec-carry")  # the stash calls copy their parts here
-PART_BYTES = 40 << 20
+PART_BYTES = 37 << 20
 WHEELS = ROOT / ".whl"
 WHEEL_PLATFORMS = [
     "manylinux_2_31_x86_64",
