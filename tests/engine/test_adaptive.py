@@ -209,6 +209,23 @@ def test_decay_and_count_make_an_observation():
     assert a.rates(DRAFT) == b.rates(DRAFT)
 
 
+def test_answers_follow_counts_added_without_a_decay():
+    """Rates, K and the wait are kept until the counts change (a row the batch gate holds asks
+    the same every step); `count` alone changes them too (the node's shown acceptance)."""
+    costs = StepCosts((1.0, 1.2, 1.3, 1.4, 1.5), sync=1.6)
+    row = AdaptiveK(4)
+    for _ in range(20):
+        row.count(LOOKUP, 4, 0)
+    asked = row.rates(LOOKUP)[0], row.choose(LOOKUP, 4, costs), row.pays_to_wait(LOOKUP, 1, costs)
+    assert asked == (row.rates(LOOKUP)[0], row.choose(LOOKUP, 4, costs), row.pays_to_wait(LOOKUP, 1, costs))
+    assert asked[1] == 0 and not asked[2]
+    for _ in range(40):
+        row.count(LOOKUP, 4, 4)
+    assert row.rates(LOOKUP)[0] > asked[0]
+    assert row.choose(LOOKUP, 4, costs) == 4
+    assert row.pays_to_wait(LOOKUP, 1, costs)
+
+
 def test_a_simulated_request_settles_and_recovers():
     """Acceptance driven by choose: a request whose lookups stop paying falls to K = 0, then
     after its text turns repetitive again reaches the full K."""
