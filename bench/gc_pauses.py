@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import LOOPBACK, environment, markdown_table, report, served
+from bench.harness import LOOPBACK, environment, markdown_table, report, served, served_arguments
 
 # Runs first in every node process: appends "pid wall-clock end duration-ms" per full collection
 # to $PDSPEC_GC_TRACE, then imports the sitecustomize it shadows (a GPU image may have one).
@@ -135,13 +135,10 @@ def measure(tree: Path | None, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", type=Path, action="append", help="a checkout to serve from (repeat; default: this)")
+    served_arguments(parser, start_timeout=300.0)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=90.0)
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--serve-flag", action="append", default=[], help="a flag for `pdspec serve` (repeat)")
-    parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--smoke", action="store_true", help="2 streams for 5 s, nothing kept")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()

@@ -7,6 +7,7 @@ bench does not import tests (nor tests bench): tests/nodes/conftest.py has its o
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import ctypes
@@ -739,6 +740,15 @@ class Served(NamedTuple):
     http: int  # the OpenAI API's port
     ports: dict[str, int]  # prefill, decode, prefill-metrics, decode-metrics, http
     process: subprocess.Popen
+
+
+def served_arguments(parser: argparse.ArgumentParser, start_timeout: float) -> None:
+    """The flags of a benchmark that runs `served` once per tree: --tree (repeat; default this
+    checkout), --device, --serve-flag (repeat), --start-timeout."""
+    parser.add_argument("--tree", type=Path, action="append", help="a checkout to serve from (repeat; default: this)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--serve-flag", action="append", default=[], help="a flag for `pdspec serve` (repeat)")
+    parser.add_argument("--start-timeout", type=float, default=start_timeout)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import LOOPBACK, environment, markdown_table, report, scrape, served
+from bench.harness import LOOPBACK, environment, markdown_table, report, scrape, served, served_arguments
 
 PROMPT = "the quick brown fox jumps over the lazy dog and the quick brown fox"
 LATENCY = "pdspec_request_latency_seconds"
@@ -92,12 +92,9 @@ def row(tree: Path | None, kind: str, times: list[tuple[float, float]], port: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", type=Path, action="append", help="a checkout to serve from (repeat; default: this)")
+    served_arguments(parser, start_timeout=120.0)
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--serve-flag", action="append", default=[], help="a flag for `pdspec serve` (repeat)")
-    parser.add_argument("--start-timeout", type=float, default=120.0)
     parser.add_argument("--smoke", action="store_true", help="2 requests each, nothing kept")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()
