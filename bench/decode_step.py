@@ -1,7 +1,7 @@
 """Where a decode step's time goes outside the model forward (the goal: "< 10%").
 
     python bench/decode_step.py [--device cuda] [--shape llama3-8b] [--batches 1,8] [--k 0,4]
-                                [--scheduling off,on,ahead] [--smoke]
+                                [--scheduling off,on,ahead,held] [--freeze] [--smoke]
         [--target-model GGUF|DIR (--draft-model DIR | --draft-layers N) --method hybrid --temperatures 0,0.7]
 
 The decode engine alone (no gRPC): `--batches` requests with a 256-token context, prefilled by
@@ -15,11 +15,15 @@ or, per `--temperatures` above 0, sampled and seeded. Per configuration:
   run of steps (each step reads its tokens, or with async scheduling the step before's: a
   steady period, no synchronize in between that would drain the pipeline), for each
   `--scheduling` (the decode engine's async_scheduling: off, on; ahead: on, with
-  prompt-lookup rows speculating in the queued steps, `--speculate-ahead on`) in the same run;
+  prompt-lookup rows speculating in the queued steps, `--speculate-ahead on`; held: on, with
+  the batch gate's verdict fixed to hold every step at K = 0, what a batch whose speculation
+  does not pay costs over K = 0) in the same run;
 * the target forward alone at the same batch and width (bench/harness.step_rows: the graph
   replay on a GPU), so step - forward is what the engine adds: drafting, sampling, the
   rejection kernel, metadata, bookkeeping;
 * the tokens each row emits per step (what a step buys: 1 at K = 0);
+* the garbage collector's time and collections per step over those steps (`--freeze`: the heap
+  made so far frozen first, as a node process freezes its start-up, pdspec.serving);
 * the device time and count of the kernels of a step, and the kernels with the most of it
   (torch.profiler, CUDA only);
 * the host functions with the most own time per step (cProfile), to say what to cut, and the
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import gc
 import itertools
 import pstats
 import statistics
@@ -61,6 +66,7 @@ from engine.paged_lm import bytes_per_token, paged_pair
 from engine.spec_config import SpeculativeConfig
 from models.pair import ModelPair
 from pdspec.metrics import NodeMetrics
+from pdspec.serving import freeze_start_up
 from prefill_node.engine import PrefillConfig, PrefillEngine
 from protos import pdspec_pb2
 from protos.validation import Receiver, validate_decode_request
@@ -81,7 +87,7 @@ def engine_steps(
 ):
     """(median seconds per step, tokens emitted per row and step, device ms and kernels per step
     or None, the kernels with the most device time per step, top host functions by own time,
-    top project functions by time with callees)."""
+    top project functions by time with callees, the collector's (seconds, collections) per step)."""
     spec = SpeculativeConfig(max_speculative_tokens=max(k, 1), method=method)
     prefill = PrefillEngine(pair, PrefillConfig(spec=spec, device=device))
     ahead = scheduling == "ahead"
@@ -89,12 +95,14 @@ def engine_steps(
         spec=spec,
         device=device,
         max_batch=batch,
-        async_scheduling="on" if ahead else scheduling,
+        async_scheduling="on" if scheduling in ("ahead", "held") else scheduling,
         speculate_ahead="on" if ahead else "off",
     )
     # the node's metrics, as `pdspec serve` records them: a verified row's series are host work of every step
     metrics = NodeMetrics("decode", spec.max_speculative_tokens, methods=[method], sources=(*PROPOSAL_SOURCES, GRAMMAR))
     decode = DecodeEngine(pair, config, metrics)
+    if scheduling == "held":
+        decode.policy.gate.allows = lambda batch, expected: False
     receiver = Receiver.from_contract(pair.contract(), max(k, 1))
 
     def submit(count: int, tokens: int) -> None:
@@ -125,14 +133,25 @@ def engine_steps(
     def emitted() -> int:
         return sum(len(request.seq.history) for request in decode._active)
 
+    collected = [0.0, 0, 0.0]  # seconds, collections, the running one's start
+
+    def collecting(phase: str, info: dict) -> None:
+        if phase == "start":
+            collected[2] = time.perf_counter()
+        else:
+            collected[0] += time.perf_counter() - collected[2]
+            collected[1] += 1
+
     times = []
     before = emitted()
+    gc.callbacks.append(collecting)
     last = time.perf_counter()
     for _ in range(steps):
         decode.step()
         now = time.perf_counter()
         times.append(now - last)
         last = now
+    gc.callbacks.remove(collecting)
     sync(device)
     per_step = (emitted() - before) / steps / batch  # an async step's tokens land a step late: same rate
     kernels, heavy = None, []
@@ -171,6 +190,7 @@ def engine_steps(
         heavy,
         own.most_common(host_top),
         inclusive.most_common(host_top),
+        (collected[0] / steps, collected[1] / steps),
     )
 
 
@@ -180,7 +200,12 @@ def main() -> None:
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--k", default="0,4")
-    parser.add_argument("--scheduling", default="off,on", help="async_scheduling values (ahead: on, speculating ahead)")
+    parser.add_argument(
+        "--scheduling",
+        default="off,on",
+        help="async_scheduling values (ahead: on, speculating ahead; held: on, gate holding)",
+    )
+    parser.add_argument("--freeze", action="store_true", help="freeze the heap before the runs, as a node process does")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="the tiny shape (CPU is fine)")
@@ -190,6 +215,7 @@ def main() -> None:
     parser.add_argument("--method", default="draft", help="--speculative-method of both engines")
     parser.add_argument("--temperatures", default="0", help="0: greedy; above: sampled, seeded")
     parser.add_argument("--host-top", type=int, default=6, help="host functions kept per row of the results")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()
     if args.smoke:
         args.shape, args.context, args.steps = "smoke", 32, 5
@@ -212,13 +238,15 @@ def main() -> None:
         raw = random_pair(target)
     pair = paged_pair(raw, tokens * (bytes_per_token(raw.target) + bytes_per_token(raw.draft)))
     forward_lm = paged(target, tokens)
+    if args.freeze:
+        freeze_start_up("decode_step")
     env = environment()
     floor = weight_bytes(target) / copy_bandwidth(device)  # the target's weights read once (gpu_e2e's floor)
     rows, table = [], []
     for batch in batches:
         forward = step_rows(forward_lm, batch, args.context, 1, device, args.steps)
         for k, scheduling, temperature in itertools.product(ks, args.scheduling.split(","), temperatures):
-            step, per_step, kernels, heavy, top, inclusive = engine_steps(
+            step, per_step, kernels, heavy, top, inclusive, collector = engine_steps(
                 pair, device, batch, k, args.context, args.steps, scheduling, args.method, temperature, args.host_top
             )
             outside = step - forward if k == 0 else None  # K > 0 adds a wider verify and the draft
@@ -239,6 +267,9 @@ def main() -> None:
                 "top_kernels_ms": [[name, t] for name, t in heavy],
                 "top_host_ms": [[name, t * 1e3] for name, t in top],
                 "top_host_inclusive_ms": [[name, t * 1e3] for name, t in inclusive],
+                "gc_ms_per_step": collector[0] * 1e3,
+                "gc_collections_per_step": collector[1],
+                "frozen": args.freeze,
             }
             rows.append(row)
             table.append(
@@ -257,6 +288,7 @@ def main() -> None:
                     "" if kernels is None else f"{kernels[0]:.2f} / {kernels[1]:.0f}",
                     "; ".join(f"{name} {t:.2f}" for name, t in heavy[:3]),
                     "; ".join(f"{name} {t * 1e3:.2f}" for name, t in top[:3]),
+                    f"{collector[0] * 1e3:.3f} / {collector[1]:.2f}",
                 ]
             )
             print(table[-1], flush=True)
@@ -275,9 +307,10 @@ def main() -> None:
         "kernel ms / count",
         "top kernels ms",
         "top host ms",
+        "GC ms / collections per step",
     ]
     text = markdown_table(header, table)
-    report("decode_step", env, rows, text, keep=not args.smoke)
+    report("decode_step", env, rows, text, keep=not args.smoke, json_path=args.json)
 
 
 if __name__ == "__main__":
