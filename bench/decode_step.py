@@ -15,9 +15,9 @@ or, per `--temperatures` above 0, sampled and seeded. Per configuration:
   run of steps (each step reads its tokens, or with async scheduling the step before's: a
   steady period, no synchronize in between that would drain the pipeline), for each
   `--scheduling` (the decode engine's async_scheduling: off, on; ahead: on, with
-  prompt-lookup rows speculating in the queued steps, `--speculate-ahead on`; held: on, with
-  the batch gate's verdict fixed to hold every step at K = 0, what a batch whose speculation
-  does not pay costs over K = 0) in the same run;
+  prompt-lookup rows speculating in the queued steps, `--speculate-ahead on`; held: on, with a
+  batch gate that measured a speculating step at 100x a K = 0 one, so it holds every step at
+  K = 0: what a batch whose speculation does not pay costs over K = 0) in the same run;
 * the target forward alone at the same batch and width (bench/harness.step_rows: the graph
   replay on a GPU), so step - forward is what the engine adds: drafting, sampling, the
   rejection kernel, metadata, bookkeeping;
@@ -101,8 +101,9 @@ def engine_steps(
     # the node's metrics, as `pdspec serve` records them: a verified row's series are host work of every step
     metrics = NodeMetrics("decode", spec.max_speculative_tokens, methods=[method], sources=(*PROPOSAL_SOURCES, GRAMMAR))
     decode = DecodeEngine(pair, config, metrics)
-    if scheduling == "held":
-        decode.policy.gate.allows = lambda batch, expected: False
+    if scheduling == "held":  # a gate that measured a speculating step at 100x a K = 0 one: it holds every step
+        for speculated, seconds in ((True, 100.0), (True, 100.0), (False, 1.0), (False, 1.0)):
+            decode.policy.gate.record(batch, speculated, seconds)
     receiver = Receiver.from_contract(pair.contract(), max(k, 1))
 
     def submit(count: int, tokens: int) -> None:

@@ -433,17 +433,19 @@ def dtype_for(device: str) -> torch.dtype:
 
 def random_model(shape: str, device: str, dtype: torch.dtype | None = None) -> LlamaCausalLM:
     """Random weights straight on the device (std 0.02: finite logits, a real softmax); timing
-    does not depend on the weights."""
+    does not depend on the weights. The same weights every time (seeded): what a run generates,
+    and so when it stops (a row that draws the EOS id), is the same from run to run."""
     from models.llama import LlamaCausalLM, LlamaForCausalLM
 
     with torch.device(device):
         module = LlamaForCausalLM(config_of(shape)).to(dtype or dtype_for(device))
+    generator = torch.Generator(device=module.lm_head.weight.device).manual_seed(0)
     with torch.no_grad():
         for name, param in module.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
-                param.normal_(0.0, 0.02)
+                param.normal_(0.0, 0.02, generator=generator)
     return LlamaCausalLM(module.eval(), source_digest=f"random-{shape}")
 
 

@@ -16,8 +16,9 @@ alternately in one process, since a VM's speed drifts between processes):
   tokens, async scheduling) step after step: the batch's `hold`, then per row `ran_plain`, its
   token appended and `advanced` (its next match looked for and priced), per row;
 * the speculation policy, held: the same rows on contexts that repeat a 7-token phrase (every row
-  has a match), each step held at K = 0 by the batch gate (its verdict fixed to hold): the
-  batch's `hold` and per row `ran_plain`, its token appended and `advanced`, per row;
+  has a match), each step held at K = 0 by the batch gate (which measured a speculating step at
+  100x a K = 0 one, so no acceptance pays for it): the batch's `hold` and per row `ran_plain`, its
+  token appended and `advanced`, per row;
 * metrics: one verified row recorded on a node's Prometheus series (verify step, source, chosen
   K), 4 drafts of which 2 accepted, published every 16 rows (a batch-16 step's end) where the tree
   has `NodeMetrics.flush`.
@@ -92,8 +93,9 @@ def policy_us(modules: dict, held: bool = False) -> float:
     proposer = proposers.PromptLookupProposer((2, 5), False)
     costs = adaptive.StepCosts((1.0, 1.3, 1.4, 1.5, 1.6), 0.0, 1.2)
     policy = spec_policy.SpecPolicy(spec, proposer, costs, pipelined=True)
-    if held:
-        policy.gate.allows = lambda batch, expected: False
+    if held:  # a gate that measured speculating steps 100x a K = 0 one: it holds every step
+        for speculated, seconds in ((True, 100.0), (True, 100.0), (False, 1.0), (False, 1.0)):
+            policy.gate.record(16, speculated, seconds)
     batch, steps = 16, ROWS // 16
     phrase = [7, 3, 9, 1, 4, 8, 2]
     seqs = []

@@ -132,17 +132,22 @@ class AdaptiveK:
         position's prior is the rate of the position before it (PRIOR for the first), so a
         position never tested yet is expected to do as its predecessor does; or, given `prior`
         (at least cap rates, e.g. the node's), that position's rate there. Kept until the counts
-        change: the caller reads the list, never writes it."""
-        key = ("rates", source, None if prior is None else tuple(prior))
-        if key not in self._known:
+        change: the caller reads the list, never writes it. Of the rates over a `prior`, only those
+        over the latest one are kept: the node's rates move every step, and a row the batch gate
+        holds keeps its counts (so its answers) step after step, so keeping each would grow its
+        table by one entry a step."""
+        key = ("rates", source, prior is not None)
+        kept = self._known.get(key)  # (the prior asked with, a copy of its values, the rates)
+        # the prior is usually the very list asked with before (the node's rates, kept per step)
+        if kept is None or not (kept[0] is prior or kept[1] == tuple(prior)):
             accepted, tested = self._of(source)
             scale, out, rate = self._scale, [], PRIOR
             for j, (a, t) in enumerate(zip(accepted, tested, strict=True)):
                 base = rate if prior is None else prior[j]
                 rate = (a * scale + base * PRIOR_WEIGHT) / (t * scale + PRIOR_WEIGHT)
                 out.append(rate)
-            self._known[key] = out
-        return self._known[key]
+            kept = self._known[key] = (prior, None if prior is None else tuple(prior), out)
+        return kept[2]
 
     def expected(self, source: str, k: int, prior: list[float] | None = None) -> float:
         """E(k): the tokens a verify of k drafts from `source` emits in expectation (`prior`: as
@@ -295,6 +300,14 @@ class BatchGate:
             return spec / ratio, spec
         return self._times[(near, False)], self._times[(near, True)]
 
+    def pays(self, batch: int, expected: float) -> bool | None:
+        """Whether `expected` tokens from speculating (at `realism`) beat a K = 0 step for `batch`
+        rows, by the times measured so far (None: not both timed yet). Asks nothing of the probes."""
+        plain, spec = self._times_at(self.bucket(batch))
+        if spec is None or plain is None:
+            return None
+        return expected * self.realism / spec >= batch / plain
+
     def allows(self, batch: int, expected: float) -> bool:
         """Whether a step of `batch` rows that expect `expected` tokens in all from speculating
         (at `realism`) may speculate (False: run it at K = 0)."""
@@ -302,7 +315,7 @@ class BatchGate:
         plain, spec = self._times_at(bucket)
         if spec is None or plain is None:
             return spec is None  # time speculating first, then K = 0
-        speculate = expected * self.realism / spec >= batch / plain
+        speculate = self.pays(batch, expected)
         # Probing a speculating step that costs r K = 0 steps every n steps costs PROBE_STEPS * r / n.
         every = (
             self.PROBE_EVERY if speculate else max(self.PROBE_EVERY, self.PROBE_STEPS * spec / plain / self.PROBE_SHARE)

@@ -37,7 +37,7 @@ from engine.sequence import Sequence
 from engine.spec_config import SpeculativeConfig
 from models.base import CausalLM
 from sampling import Verifier
-from sampling.proposal import LOOKUP, PREFILL
+from sampling.proposal import LOOKUP, PREFILL, PROPOSAL_SOURCES
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,10 @@ GUESS_DECAY = DECAY  # per guess, of a row's guesses before it: as recent as its
 @dataclass
 class _Row:
     adaptive: AdaptiveK | None  # None: the row drafts its own K every step
-    hit: bool = True  # a match worth drafting after the last step (match-driven proposers)
-    may_draft: bool = True  # the same after the step before
+    # A match worth drafting after the last step (match-driven proposers); None: not looked up,
+    # since the batch gate held the batch even at its rows' best (`SpecPolicy.hold`).
+    hit: bool | None = True
+    may_draft: bool | None = True  # the same after the step before
     planned: tuple[str, int] = ("", 0)  # the source and K adaptive K chose when the context last grew
     gated: bool = False  # the batch gate held the row's latest step at K = 0
     guesses: tuple[float, float] = (0.0, 0.0)  # drafting ahead: (right, made) guesses of the token in flight
@@ -80,6 +82,7 @@ class SpecPolicy:
         self._rows: dict[Sequence, _Row] = {}
         self._gated: tuple[int, bool] | None = None  # (rows, speculated) of this step, when the gate chose it
         self._floor = 0.0  # BatchGate.floor of this step's batch: the drafts a gated step verifies
+        self._firm = False  # this step held even at its rows' best: the contexts that grow are not looked up
         self._drafted = 0  # drafts this step verifies, for the gate's fit
         self._expected = 0.0  # tokens this step's rows expect from it, where the gate let it speculate
         self._emitted = 0  # tokens this step's rows emitted, for the gate's `realism`
@@ -121,15 +124,26 @@ class SpecPolicy:
                 for s in seqs
             )
         )
-        held = False
+        held = firm = False
         self._floor, self._drafted, self._expected, self._emitted = 0.0, 0, 0.0, 0
         if gateable:
             self._floor = self.gate.floor(len(seqs))
             # a step that pipelines emits a token a row whatever the gate says: no gain to price
             if not pipelines:
-                self._expected = sum(self._gain(s, s in unread) for s in seqs)
-                held = not self.gate.allows(len(seqs), self._expected)
+                # Where even the rows' best (each offered all its K) does not pay, the step is
+                # held without looking up what they offer: the gate's probes come as they would
+                # at the real gains, which do not pay either.
+                firm = self.gate.pays(len(seqs), sum(self._best(s, s in unread) for s in seqs)) is False
+                if firm:
+                    held = not self.gate.allows(len(seqs), 0.0)
+                if not held:  # priced at what the rows offer (a probe speculates whatever they offer)
+                    self._look_up(seqs)
+                    pipelines = self.pipelines(seqs, unread) and not self.ahead(seqs)
+                    if not pipelines:
+                        self._expected = sum(self._gain(s, s in unread) for s in seqs)
+                        held = not firm and not self.gate.allows(len(seqs), self._expected)
             self._gated = (len(seqs), not (pipelines or held))
+        self._firm = firm and held
         for seq in seqs:
             self._rows[seq].gated = held
         return pipelines or held
@@ -249,7 +263,17 @@ class SpecPolicy:
         the step after next knows whether it may draft before this one is read."""
         if self.proposer.match_driven and seq.k:
             row = self._rows[seq]
-            row.may_draft, row.hit = row.hit, self._hit(seq, row)
+            row.may_draft, row.hit = row.hit, None if self._firm else self._hit(seq, row)
+
+    def _look_up(self, seqs: list[Sequence]) -> None:
+        """The matches of the rows whose contexts grew while the gate held their batch firmly
+        (`hold`), looked up now: their contexts are those `advanced` would have looked up."""
+        for seq in seqs:
+            row = self._rows[seq]
+            if row.hit is None:
+                row.hit = self._hit(seq, row)
+                if row.may_draft is None:  # not known either: the newer context stands in
+                    row.may_draft = row.hit
 
     # -- internals ----------------------------------------------------------------------
     def _gain(self, seq: Sequence, in_flight: bool) -> float:
@@ -268,6 +292,25 @@ class SpecPolicy:
             source, k = plan.source, row.adaptive.choose(plan.source, plan.limit, self.costs)
         shown = self.shown.rates(source)
         return row.adaptive.expected(source, row.adaptive.admitted(source, k, self._floor, shown), shown)
+
+    def _best(self, seq: Sequence, in_flight: bool) -> float:
+        """An upper bound of the row's `_gain` that looks nothing up: for a row whose match is not
+        known (or a method that looks up while pricing), the tokens it would expect if its context
+        offered all its K drafts from its best source (E(K), the K adaptive K chooses and the
+        drafts the floor admits all grow with the drafts offered)."""
+        if seq.plain or seq.first_step or (self.proposer.match_driven and self._rows[seq].hit is not None):
+            return self._gain(seq, in_flight)
+        row = self._rows[seq]
+        costs = self.costs.drafting_ahead() if self._drafts_ahead(seq) else self.costs
+        shown = self.shown.rates
+        return max(
+            row.adaptive.expected(
+                source,
+                row.adaptive.admitted(source, row.adaptive.choose(source, seq.k, costs), self._floor, shown(source)),
+                shown(source),
+            )
+            for source in ((LOOKUP,) if self.proposer.match_driven else PROPOSAL_SOURCES)
+        )
 
     def _depth(
         self, adaptive: AdaptiveK, source: str, limit: int, costs: StepCosts | None = None, lead: float = 1.0
@@ -294,7 +337,7 @@ class SpecPolicy:
         if not self.proposer.match_driven or not seq.k or seq.first_step or seq.logprobs or seq.grammar:
             return False
         row = self._rows[seq]
-        return not (row.hit if in_flight else row.may_draft)
+        return (row.hit if in_flight else row.may_draft) is False  # None: not looked up, it may draft
 
     def _hit(self, seq: Sequence, row: _Row) -> bool:
         """Whether the context as it is now has a match that adaptive K would draft, and, with

@@ -226,6 +226,23 @@ def test_answers_follow_counts_added_without_a_decay():
     assert row.pays_to_wait(LOOKUP, 1, costs)
 
 
+def test_a_held_row_keeps_one_answer_per_source_as_the_node_rates_move():
+    """A row the batch gate holds keeps its counts while the node's rates (the prior its gain is
+    priced at) move every step: its kept answers stay as many as its questions, not its steps,
+    and each answer is the one for the prior asked."""
+    row = AdaptiveK(4)
+    for _ in range(5):
+        row.count(LOOKUP, 4, 2)
+    for step in range(200):
+        prior = [0.5 + step * 1e-3] * 4
+        fresh = AdaptiveK(4)
+        for _ in range(5):
+            fresh.count(LOOKUP, 4, 2)
+        assert row.rates(LOOKUP, prior) == fresh.rates(LOOKUP, prior)
+        row.rates(LOOKUP)
+    assert len(row._known) <= 2
+
+
 def test_a_simulated_request_settles_and_recovers():
     """Acceptance driven by choose: a request whose lookups stop paying falls to K = 0, then
     after its text turns repetitive again reaches the full K."""

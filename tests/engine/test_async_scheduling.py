@@ -19,6 +19,7 @@ from decode_node.engine import DecodeConfig, DecodeEngine
 from decode_node.request import QueueFull
 from engine.adaptive import PRIOR, BatchGate, StepCosts
 from engine.paged_lm import paged_pair
+from engine.prompt_lookup import ContextIndex
 from engine.spec_config import SpeculativeConfig
 from models.loader import load_pair
 from prefill_node.engine import PrefillConfig, PrefillEngine
@@ -404,6 +405,73 @@ def test_the_batch_gate_prices_model_drafts_and_never_moves_a_seeded_row(pair, s
     gated = run(pair, seeded, scheduling, method="hybrid", gate="plain-faster")
     assert sum(s.verify_steps for s in run.stats if s) > 0
     assert gated == run(pair, seeded, scheduling, method="hybrid")
+
+
+def repeated_request(max_new: int = 30) -> pdspec_pb2.GenerateRequest:
+    """A greedy prompt-lookup request whose context repeats: it has a match at every step."""
+    twice = [*range(3, 12), *range(3, 12)]
+    repeated = pdspec_pb2.GenerateRequest(prompt_token_ids=[*twice, 2, *twice], num_speculative_tokens=4)
+    repeated.sampling.max_new_tokens = max_new
+    return repeated
+
+
+def counting_lookups(monkeypatch) -> list[int]:
+    """Every prompt-lookup match any engine makes from now on appends to the returned list."""
+    looked, match = [], ContextIndex.match
+    monkeypatch.setattr(ContextIndex, "match", lambda self, *args, **kw: looked.append(1) or match(self, *args, **kw))
+    return looked
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_a_batch_held_even_at_its_rows_best_looks_up_nothing_and_keeps_its_tokens(pair, scheduling, monkeypatch):
+    """Where even each row's best (all its K drafts offered, at its acceptance) does not pay for
+    a speculating step, the gate holds the batch without looking up what the rows' contexts
+    offer: no match is made after the prefill node's proposals, and every row emits the tokens
+    of the engine that looks up and drafts at every step."""
+    batch = [repeated_request(), request(5, k=4, max_new=30)]
+    looked = counting_lookups(monkeypatch)
+    held = run(pair, batch, scheduling, method="prompt-lookup", gate="plain-faster")
+    assert sum(s.verify_steps for s in run.stats) == 0
+    held_lookups = len(looked)
+    looked.clear()
+    free = run(pair, batch, scheduling, method="prompt-lookup")
+    assert held == free and run.stats[0].prompt_lookup_tokens > 0
+    assert held_lookups <= 2 * len(batch) < 20 <= len(looked)  # the prefill node's (a plan and a proposal a request)
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_rows_held_without_lookups_look_up_and_draft_once_the_gate_lets_them(pair, scheduling, monkeypatch):
+    """Rows whose contexts grew unlooked-up while the gate held their batch firmly are looked up
+    when their batch may pay again (here: a gate that measured speculating steps as the faster
+    kind): they draft from the context as it is then, and every token stays the ungated engine's."""
+    config = DecodeConfig(
+        spec=SpeculativeConfig(max_speculative_tokens=4, method="prompt-lookup"),
+        async_scheduling=scheduling,
+        step_costs=StepCosts((1.0, 1.2, 1.3, 1.4, 1.5)),
+    )
+    decode = DecodeEngine(pair, config)
+    for speculated, seconds in ((True, 100.0), (True, 100.0), (False, 1.0), (False, 1.0)):
+        decode.policy.gate.record(2, speculated, seconds)
+    prefill = PrefillEngine(pair, PrefillConfig(spec=SpeculativeConfig(method="prompt-lookup")))
+    receiver = Receiver.from_contract(pair.contract(), 4)
+    batch = [repeated_request(60), repeated_request(60)]
+    submitted = []
+    for prefilled in prefill.prefill_many([prefill.check(r) for r in batch]):
+        wire = pdspec_pb2.DecodeRequest.FromString(prefilled.decode_request.SerializeToString())
+        submitted.append(decode.submit(validate_decode_request(wire, receiver)))
+    looked = counting_lookups(monkeypatch)
+    for _ in range(10):
+        decode.step()
+    assert not looked and [r.seq.stats.verify_steps for r in submitted] == [0, 0]
+    assert all(decode.policy._rows[r.seq].hit is None for r in submitted)
+    decode.policy.gate = gate = BatchGate()
+    for speculated, seconds in ((True, 1.0), (True, 1.0), (False, 100.0), (False, 100.0)):
+        gate.record(2, speculated, seconds)
+    while decode.load:
+        decode.step()
+    assert looked and all(r.seq.stats.verify_steps > 0 and r.seq.stats.prompt_lookup_tokens > 0 for r in submitted)
+    emitted = [r.seq.history[len(b.prompt_token_ids) :] for r, b in zip(submitted, batch, strict=True)]
+    assert emitted == [out for out, _ in run(pair, batch, scheduling, method="prompt-lookup")]
 
 
 def hybrid_decode(pair, scheduling: str, gate_steps) -> DecodeEngine:
