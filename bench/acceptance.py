@@ -75,6 +75,7 @@ class OracleProposer:
     A benchmark's tool (the `Proposer` protocol): no serving option selects it."""
 
     method, trees, max_tree_nodes, uses_draft, match_driven = "oracle", False, MAX_TREE_NODES, False, False
+    sources = (DRAFT,)
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], alpha: float, vocab_size: int, seed: int):
         if not 0.0 <= alpha <= 1.0:

@@ -493,7 +493,17 @@ def prep(base: str | None) -> None:
         tree = CARRY / "base"
         shutil.rmtree(tree, ignore_errors=True)
         tree.mkdir()
-        packages = ["common", "sampling", "protos", "models", "engine", "pdspec", "prefill_node", "decode_node", "bench"]
+        packages = [
+            "common",
+            "sampling",
+            "protos",
+            "models",
+            "engine",
+            "pdspec",
+            "prefill_node",
+            "decode_node",
+            "bench",
+        ]
         archive = subprocess.run(["git", "archive", base, *packages], cwd=ROOT, capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
         shutil.rmtree(tree / "bench" / "results", ignore_errors=True)

@@ -204,6 +204,7 @@ class DraftModelProposer:
     """Proposals from a draft model, in the law `law`, its ids mapped to the target's by `d2t`."""
 
     method = DRAFT
+    sources = (DRAFT,)
     uses_draft = True
     match_driven = False
 

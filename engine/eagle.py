@@ -35,6 +35,7 @@ class EagleProposer:
     """Chains from a hidden-state head, in the law `law`, its ids mapped by `d2t`."""
 
     method = EAGLE
+    sources = (DRAFT,)
     uses_draft = True
     match_driven = False
     trees = False  # one draw per depth

@@ -85,6 +85,7 @@ class Proposer(Protocol):
     # A row drafts only where its context matches (prompt lookup): a row without a match runs as
     # a K = 0 row, and its drafts are point masses that cost no forward (the batch gate may hold them).
     match_driven: bool
+    sources: tuple[str, ...]  # the sources its plans may name (DRAFT, LOOKUP)
 
     def start(self, rows: Sequence[Row], kv_needs: Sequence[int]) -> None:
         """Give rows that will draft their per-request state (kv_needs[r]: KV positions row r

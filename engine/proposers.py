@@ -24,6 +24,7 @@ class PromptLookupProposer:
     context's n-gram index over the row's history list."""
 
     method = LOOKUP
+    sources = (LOOKUP,)
     uses_draft = False
     match_driven = True
 
@@ -62,6 +63,7 @@ class HybridProposer:
     each source are proposed together."""
 
     method = HYBRID
+    sources = (LOOKUP, DRAFT)
     uses_draft = True
     match_driven = False  # a row without a match still drafts, with the model
 

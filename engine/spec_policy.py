@@ -37,7 +37,7 @@ from engine.sequence import Sequence
 from engine.spec_config import SpeculativeConfig
 from models.base import CausalLM
 from sampling import Verifier
-from sampling.proposal import LOOKUP, PREFILL, PROPOSAL_SOURCES
+from sampling.proposal import LOOKUP, PREFILL
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ class SpecPolicy:
                 row.adaptive.admitted(source, row.adaptive.choose(source, seq.k, costs), self._floor, shown(source)),
                 shown(source),
             )
-            for source in ((LOOKUP,) if self.proposer.match_driven else PROPOSAL_SOURCES)
+            for source in self.proposer.sources
         )
 
     def _depth(

@@ -18,6 +18,7 @@ class Repeating:
     drafted for. A proposer of its own (the `Proposer` protocol), with no per-request state."""
 
     method, trees, max_tree_nodes, uses_draft, match_driven = "repeating", False, 64, False, False
+    sources = (DRAFT,)
 
     def __init__(self) -> None:
         self.rows = 0
