@@ -133,15 +133,19 @@ class SpecPolicy:
                 # Where even the rows' best (each offered all its K) does not pay, the step is
                 # held without looking up what they offer: the gate's probes come as they would
                 # at the real gains, which do not pay either.
-                firm = self.gate.pays(len(seqs), sum(self._best(s, s in unread) for s in seqs)) is False
+                bounds = [self._best(s, s in unread) for s in seqs]
+                best = sum(bound for bound, _ in bounds)
+                firm = self.gate.pays(len(seqs), best) is False
                 if firm:
                     held = not self.gate.allows(len(seqs), 0.0)
                 if not held:  # priced at what the rows offer (a probe speculates whatever they offer)
-                    self._look_up(seqs)
-                    pipelines = self.pipelines(seqs, unread) and not self.ahead(seqs)
+                    if not all(gain for _, gain in bounds):  # some row's best was not its gain
+                        self._look_up(seqs)
+                        pipelines = self.pipelines(seqs, unread) and not self.ahead(seqs)
+                        best = 0.0 if pipelines else sum(self._gain(s, s in unread) for s in seqs)
                     if not pipelines:
-                        self._expected = sum(self._gain(s, s in unread) for s in seqs)
-                        held = not firm and not self.gate.allows(len(seqs), self._expected)
+                        self._expected = best
+                        held = not firm and not self.gate.allows(len(seqs), best)
             self._gated = (len(seqs), not (pipelines or held))
         self._firm = firm and held
         for seq in seqs:
@@ -293,13 +297,14 @@ class SpecPolicy:
         shown = self.shown.rates(source)
         return row.adaptive.expected(source, row.adaptive.admitted(source, k, self._floor, shown), shown)
 
-    def _best(self, seq: Sequence, in_flight: bool) -> float:
-        """An upper bound of the row's `_gain` that looks nothing up: for a row whose match is not
-        known (or a method that looks up while pricing), the tokens it would expect if its context
-        offered all its K drafts from its best source (E(K), the K adaptive K chooses and the
-        drafts the floor admits all grow with the drafts offered)."""
+    def _best(self, seq: Sequence, in_flight: bool) -> tuple[float, bool]:
+        """An upper bound of the row's `_gain` that looks nothing up, and whether it is the gain
+        itself: for a row whose match is not known (or a method that looks up while pricing),
+        the tokens it would expect if its context offered all its K drafts from its best source
+        (E(K), the K adaptive K chooses and the drafts the floor admits all grow with the drafts
+        offered)."""
         if seq.plain or seq.first_step or (self.proposer.match_driven and self._rows[seq].hit is not None):
-            return self._gain(seq, in_flight)
+            return self._gain(seq, in_flight), True
         row = self._rows[seq]
         costs = self.costs.drafting_ahead() if self._drafts_ahead(seq) else self.costs
         shown = self.shown.rates
@@ -310,7 +315,7 @@ class SpecPolicy:
                 shown(source),
             )
             for source in self.proposer.sources
-        )
+        ), False
 
     def _depth(
         self, adaptive: AdaptiveK, source: str, limit: int, costs: StepCosts | None = None, lead: float = 1.0
