@@ -414,6 +414,23 @@ def test_the_gate_times_speculating_then_plain_steps_before_it_holds():
     assert gate.time(2, True) is None and not gate.allows(2, 3.0) and gate.allows(2, 4.0)  # 0.2 s at this ratio
 
 
+def test_whether_speculating_pays_is_asked_without_moving_the_probes():
+    """`pays` answers what `allows` decides between probes (None until both kinds are timed)
+    and leaves the probe schedule where it was: asking it any number of times between two steps
+    changes no verdict of the gate."""
+    gate, twin = BatchGate(), BatchGate()
+    assert gate.pays(16, 40.0) is None
+    for g in (gate, twin):
+        steps(g, 16, True, 2.0)
+        steps(g, 16, False, 1.0)
+    verdicts = []
+    for _ in range(3 * BatchGate.PROBE_EVERY):
+        assert gate.pays(16, 24.0) is False and gate.pays(16, 40.0) is True
+        verdicts.append(gate.allows(16, 24.0))
+        assert verdicts[-1] == twin.allows(16, 24.0)
+    assert any(verdicts) and not all(verdicts)  # held, but probed now and then
+
+
 def test_the_gate_prices_the_rows_forecast_at_what_speculating_steps_emitted():
     """Speculating steps whose rows emit half the tokens they expected halve the price of the
     next forecast (within REALISM_RANGE): 24 tokens forecast in 2 s beat 16 in 1 s until the
