@@ -493,17 +493,12 @@ def prep(base: str | None) -> None:
         tree = CARRY / "base"
         shutil.rmtree(tree, ignore_errors=True)
         tree.mkdir()
-        packages = [
-            "common",
-            "sampling",
-            "protos",
-            "models",
-            "engine",
-            "pdspec",
-            "prefill_node",
-            "decode_node",
-            "bench",
-        ]
+        # the revision's top-level packages (the benchmarks among them), not its tests
+        files = subprocess.run(
+            ["git", "ls-tree", "-r", "--name-only", base], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        inits = [f for f in files.stdout.split() if f.count("/") == 1 and f.endswith("/__init__.py")]
+        packages = [f.split("/")[0] for f in inits if not f.startswith("tests/")]
         archive = subprocess.run(["git", "archive", base, *packages], cwd=ROOT, capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
         shutil.rmtree(tree / "bench" / "results", ignore_errors=True)
