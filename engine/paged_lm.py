@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from common.graphs import bucket, capture_graph
-from common.transfer import HostCopy, Staging, shared_tensor, to_device, to_host_async
+from common.transfer import HostCopy, Staging, cupy_available, shared_tensor, to_device, to_host_async
 from engine.device import on_device, serve_attention_without_cudnn
 from engine.kv_cache import BatchMeta, KvPool, PagedBatch, PagedSeq, Shift, batch_meta
 from engine.options import ATTENTION_BACKENDS, MAX_GRAPH_QUERIES
@@ -40,6 +40,7 @@ from models.kv_import import KvWriter, gather
 from models.llama import EAGER, LlamaCausalLM, compiled_pointwise, keep_row_features
 from models.pair import ModelPair
 from protos.kv_layout import kv_bytes, layout_order
+from sampling.cupy_kernels import load_kernels
 
 log = logging.getLogger(__name__)
 BLOCK_SIZE = 16  # tokens per block: vLLM's default; small enough that waste per request is tiny
@@ -602,7 +603,8 @@ def paged_pair(
     draft pools hold the same number of tokens (every request has KV in both), so the bytes
     split by their per-token sizes (a layer-skip draft of N of L layers takes N/(N+L)).
     On a GPU, SDPA is kept off cuDNN (`serve_attention_without_cudnn`), the elementwise kernels
-    are compiled here (`warm_up`), then the graphs of `capture` are captured. Other backends
+    are compiled here (`warm_up`), and the sampling kernels (sampling/cupy_kernels.py), then the
+    graphs of `capture` are captured. Other backends
     (n-gram, transformers) are returned as they are."""
     if not isinstance(pair.target, LlamaCausalLM):
         return pair
@@ -620,6 +622,8 @@ def paged_pair(
         shape = capture if capture is not None and capture.batch else GraphCapture()
         draft = draft.with_graphs(shape.batch, shape.context)
     target.warm_up()
+    if target.device.type == "cuda" and cupy_available():  # else the first request to launch one compiles it
+        load_kernels(target.device)
     log.info(
         "KV pools: %s",
         ", ".join(

@@ -463,3 +463,16 @@ def test_an_import_into_freed_slots_follows_the_work_queued_on_them():
     writer.wait()
     torch.cuda.synchronize()
     assert bool((storage == 2.0).all())
+
+
+def test_a_gpu_pair_starts_with_every_sampling_kernel_loaded(gpu_pair):
+    """`paged_pair` compiles and loads every CuPy kernel of sampling/ while a node starts: a
+    node's first sampled request (the draws, their uniforms) or first tree does not wait for a
+    compile, which on a fresh machine (no CuPy cache) is NVRTC's."""
+    from engine.paged_lm import paged_pair
+    from sampling.cupy_kernels import MODULES
+
+    for module in MODULES:
+        module._kernels.cache_clear()
+    paged_pair(gpu_pair, 8 << 20)
+    assert all(module._kernels.cache_info().currsize == 1 for module in MODULES)
