@@ -5,7 +5,8 @@ own time budget, into one results file.
                               [--smollm2 PATH] [--budget STEP=SECONDS,...] [--deadline SECONDS]
                               [--out DIR] [--device cpu] [--smoke]
     python bench/gpu_check.py --prep [--base REV]     # here, before the GPU machine's calls
-    python bench/gpu_check.py --stash                 # there: keep the carried GGUF parts
+    python bench/gpu_check.py --stash                 # there: keep the carried GGUF parts (joined
+                                                      # in /tmp/pdspec-carry once all are in)
 
 Steps, in this order, each a process of its own killed at its budget (the next one then starts;
 a step's status: passed, failed, timeout, skipped when not asked for, not run and why):
@@ -544,6 +545,9 @@ def main() -> None:
         for part in sorted(CARRY.glob("gguf.[0-9]*")):
             shutil.copyfile(part, STASH / part.name)
             print(f"{STASH / part.name}: {part.stat().st_size / 2**20:.1f} MiB")
+        joined, _ = carried_smollm2()  # once every part is in: joined, for any command (`--target-model`)
+        if joined is not None:
+            print(f"{joined}: SmolLM2's GGUF, joined")
         return
     wanted = [s for s in args.only.split(",") if s and s not in args.skip.split(",")]
     budgets = dict(BUDGETS)
