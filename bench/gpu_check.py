@@ -34,21 +34,27 @@ bench/results or --out, again after every step.
 
 On the GPU machine (one H100 or H200, no network, its python3 with CUDA torch and CuPy; `run`'s
 working tree at most 64 MiB a call, the tracked tree ~7 MiB of it), after
-`make gpu-prep` here (add BASE=<rev> for a baseline tree), three calls, each within 30 s of the
-last (while the machine is warm, /tmp keeps what the earlier ones left):
-  call 1, carry [".carry/gguf.1", ".carry/gguf.3", ".carry/gguf.sha256"]:  make gpu-stash
-  call 2, carry [".whl", ".carry/gguf.2", ".carry/gguf.sha256", ".carry/commit"] (+ ".carry/base"):
+`make gpu-prep` here (add BASE=<rev> for a baseline tree), calls each within 30 s of the
+last (while the machine is warm, /tmp keeps what the earlier ones left: the GGUF's parts, joined
+once all are in, and the wheels installed in /tmp/site):
+  call 1, carry [".carry/gguf.1", ".carry/gguf.sha256"]:  make gpu-stash
+  call 2, carry [".carry/gguf.3", ".carry/gguf.sha256", ".whl"]:
+    make gpu-stash && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir
+    --upgrade --target /tmp/site .whl/*.whl
+  call 3, carry [".carry/gguf.2", ".carry/gguf.sha256", ".carry/commit"] (+ ".carry/base"):
     make gpu-stash && make gpu-check GPU_CHECK_FLAGS="--out $OUT --only kernel-tests,engine-tests,eagle-tests"
-  call 3, carry [".whl", ".carry/gguf.sha256", ".carry/commit"] (+ ".carry/base"):
+  call 4, carry [".carry/gguf.sha256", ".carry/commit"] (+ ".carry/base"):
     make gpu-check GPU_CHECK_FLAGS="--out $OUT --only first-use,serve-tests,speedup,acceptance,e2e"
     (+ " --baseline-tree .carry/base")
-  The steps take calls 2 and 3: together they outlast one call's 10 minutes.
-  A node flag's A/B through the OpenAI API, call 2 as above with
+  The steps take calls 3 and 4: together they outlast one call's 10 minutes. (`make gpu-check`
+  installs .whl/ when a call carries it, else uses what /tmp/site holds.)
+  A node flag's A/B through the OpenAI API, call 3 as above with
     --only api --api-variant ahead:PDSPEC_DECODE_SPECULATE_AHEAD=on --api-variant sync:
     --api-batches 1,16 --budget api=240   (each variant a fresh pair of nodes)
+  After call 3, a command that serves SmolLM2 itself takes
+    --target-model /tmp/pdspec-carry/SmolLM2-135M-Instruct.Q4_1.gguf (PYTHONPATH=/tmp/site).
   Without make: `python3 bench/gpu_check.py --stash`, and for a check
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
-    --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site python3 bench/gpu_check.py --out $OUT ...
+    PYTHONPATH=/tmp/site python3 bench/gpu_check.py --out $OUT ...
   If a call lands on a fresh machine, the stashed parts are gone: the speedup step is skipped
   (said so in the results), the rest runs.
 --smoke runs every step tiny (the CPU is fine: the tests skip themselves there, speedup serves
