@@ -15,7 +15,10 @@ every method: from the wall times of the steps this node actually ran at this ba
 speculates only while the tokens its rows expect (their own E(K)) per second beat a K = 0 step's
 (a step it holds leaves the rows' acceptance as they showed it, undecayed); so a method whose
 drafting does not pay at the current load (a draft model at batch 16, say) is not run for that
-step, and a batch whose rows find nothing to draft pipelines like K = 0.
+step, and a batch whose rows find nothing to draft pipelines like K = 0. Where even the rows'
+best (each offered all its K drafts) would not pay, the batch is held without looking up what
+their contexts offer (`_best`, `_look_up`): a held batch of prompt-lookup rows then costs what a
+K = 0 batch costs.
 
 None of this changes the output law: K depends only on the past (the rows' own acceptance and
 the node's measured step times), never on the step's uniforms. A seeded sampled row's tokens
