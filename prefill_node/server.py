@@ -50,6 +50,9 @@ KEEPALIVE = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# A GetInfo of the peer check; past it, a peer not yet known compatible (or not connected) is
+# unreachable, while a compatible one whose connection is up is only busy (`DecodePeer._check`).
+INFO_TIMEOUT_S = 2.0
 # Reconnect attempts at most ~1 s apart however long the peer was gone (gRPC's default
 # backoff grows to 120 s), each connect given 2 s.
 RECONNECT = [
@@ -175,8 +178,18 @@ class DecodePeer:
 
     def _check(self) -> None:
         try:
-            info = self.stub.GetInfo(pdspec_pb2.InfoRequest(), timeout=2)
+            info = self.stub.GetInfo(pdspec_pb2.InfoRequest(), timeout=INFO_TIMEOUT_S)
         except grpc.RpcError as err:
+            if (
+                err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                and self.compatible
+                and self._connectivity is grpc.ChannelConnectivity.READY
+            ):
+                # Busy, not gone: a loaded decode node can answer late while its connection
+                # answers the keepalive pings; one that stops answering them loses the
+                # connection within KEEPALIVE's 2 s, and `_on_connectivity` suspects it then.
+                log.warning("decode peer %s: GetInfo took over %.0f s (busy)", self.config.decode_addr, INFO_TIMEOUT_S)
+                return
             self._set(False, f"decode peer {self.config.decode_addr} unreachable: {err.code().name}")
             return
         problem = incompatibility(info, self.engine)

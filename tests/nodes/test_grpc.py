@@ -299,6 +299,31 @@ def test_health_and_info(nodes):
     assert info.role == "prefill" and info.target_vocab_size == 257 and len(info.draft_to_target) == 98
 
 
+def test_a_compatible_decode_peer_that_answers_its_check_late_stays_compatible(pair, monkeypatch):
+    """A busy decode node: the prefill node's periodic GetInfo outlasts its deadline while the
+    connection is up (its keepalive pings answered). The prefill node stays SERVING and serves,
+    where it used to answer every request UNAVAILABLE until a check came back in time. (A peer
+    that is not connected is unreachable at once: the test below.)"""
+    import prefill_node.server as prefill_server
+    from decode_node.server import DecodeServicer
+
+    monkeypatch.setattr(prefill_server, "INFO_TIMEOUT_S", 0.2)
+    slow, checks, answer = threading.Event(), [], DecodeServicer.GetInfo
+
+    def late(self, request, context):
+        if slow.is_set():
+            checks.append(time.monotonic())
+            time.sleep(0.6)
+        return answer(self, request, context)
+
+    monkeypatch.setattr(DecodeServicer, "GetInfo", late)  # before the servicer is registered
+    with cluster(pair, peer_check_s=0.05) as (client, prefill, _):  # checked every 0.5 s while compatible
+        slow.set()
+        wait_until(lambda: len(checks) >= 3, what="three late checks")
+        assert prefill.peer.compatible and health_status(prefill.port) == health_pb2.HealthCheckResponse.SERVING
+        assert len(client.generate(prompt_token_ids=list(range(3, 12)), greedy=True, max_new_tokens=4).token_ids) == 4
+
+
 def test_prefill_waits_for_a_compatible_decode_peer(pair, tmp_path):
     from models.ngram import load_builtin_pair
     from prefill_node.server import PrefillNodeConfig
