@@ -297,8 +297,13 @@ class SpecPolicy:
         else:
             plan = self.proposer.plan([seq], [seq.k])[0]
             source, k = plan.source, row.adaptive.choose(plan.source, plan.limit, self.costs)
+        return self._tokens(row.adaptive, source, k)
+
+    def _tokens(self, adaptive: AdaptiveK, source: str, k: int) -> float:
+        """E of a row's K = k drafts from `source` in this step: of those the floor admits, at the
+        row's rates over the node's."""
         shown = self.shown.rates(source)
-        return row.adaptive.expected(source, row.adaptive.admitted(source, k, self._floor, shown), shown)
+        return adaptive.expected(source, adaptive.admitted(source, k, self._floor, shown), shown)
 
     def _best(self, seq: Sequence, in_flight: bool) -> tuple[float, bool]:
         """An upper bound of the row's `_gain` that looks nothing up, and whether it is the gain
@@ -308,16 +313,10 @@ class SpecPolicy:
         offered)."""
         if seq.plain or seq.first_step or (self.proposer.match_driven and self._rows[seq].hit is not None):
             return self._gain(seq, in_flight), True
-        row = self._rows[seq]
+        adaptive = self._rows[seq].adaptive
         costs = self.costs.drafting_ahead() if self._drafts_ahead(seq) else self.costs
-        shown = self.shown.rates
         return max(
-            row.adaptive.expected(
-                source,
-                row.adaptive.admitted(source, row.adaptive.choose(source, seq.k, costs), self._floor, shown(source)),
-                shown(source),
-            )
-            for source in self.proposer.sources
+            self._tokens(adaptive, source, adaptive.choose(source, seq.k, costs)) for source in self.proposer.sources
         ), False
 
     def _depth(
